@@ -1,0 +1,3 @@
+from .core.cli import main
+
+raise SystemExit(main())

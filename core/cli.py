@@ -1,0 +1,150 @@
+"""Command line: ``python -m pixart_lowvram demo`` and ``python -m pixart_lowvram generate``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import memory, outputs, random_model, sampler, text_encoder, vae
+from .devices import PRECISIONS, as_device
+from .models import HUB_IDS, resolve_model
+from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES
+
+logger = logging.getLogger(__name__)
+
+DEMO_PROMPT = "a photo of a red cat in a garden"
+
+
+def default_home() -> Path:
+    base = (
+        os.environ.get("PIXART_LOWVRAM_HOME")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pixart_lowvram"
+    )
+    return Path(base)
+
+
+def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--negative", default="", help="negative prompt")
+    p.add_argument("--width", type=int, default=size, help="pixels, a multiple of 16 (default: the model's)")
+    p.add_argument("--height", type=int, default=size, help="pixels, a multiple of 16 (default: the model's)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--cfg", type=float, default=4.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--t5-quant", choices=TEXT_ENCODER_SCHEMES, default=TEXT_ENCODER_SCHEMES[0])
+    p.add_argument(
+        "--quant", choices=TRANSFORMER_SCHEMES, default=TRANSFORMER_SCHEMES[0], help="transformer weights"
+    )
+    p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present)")
+    p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
+    p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
+    p.add_argument("--no-snapshot", action="store_true", help="do not record the CUDA allocator history")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pixart_lowvram", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", help="run the pipeline offline on a random-weight model built once and cached"
+    )
+    demo.add_argument(
+        "--preset",
+        choices=list(random_model.PRESETS),
+        default="tiny",
+        help="tiny: seconds on a CPU; full: the published PixArt-Σ 1024 shapes (for a GPU)",
+    )
+    demo.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="where the random model is cached (default: $PIXART_LOWVRAM_HOME/random-PRESET)",
+    )
+    _add_run_args(demo, size=None)
+    gen = sub.add_parser("generate", help="generate with real weights")
+    gen.add_argument(
+        "--model", required=True, help=f"a diffusers PixArt-Σ folder or a hub id, e.g. {HUB_IDS[0]}"
+    )
+    _add_run_args(gen, size=None)
+    return parser
+
+
+def run(args: argparse.Namespace, model: str) -> dict:
+    """encode -> sample -> decode, each stage freeing its model; write PNG, report and snapshot."""
+    source = resolve_model(model)
+    device = as_device(args.device)
+    sample_size = source.config("transformer").get("sample_size", 128) * 8
+    width, height = args.width or sample_size, args.height or sample_size
+    report = memory.MemoryReport()
+    recording = not args.no_snapshot and memory.start_history()
+    start = time.perf_counter()
+    embeds = text_encoder.encode(
+        source, args.prompt, args.negative, quantization=args.t5_quant, device=device, report=report
+    )
+    with tqdm(total=args.steps, desc="sampling", unit="step") as bar:
+        latents = sampler.sample(
+            source,
+            embeds,
+            width=width,
+            height=height,
+            steps=args.steps,
+            cfg=args.cfg,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            quantization=args.quant,
+            device=device,
+            dtype=args.precision,
+            on_step=lambda step, total, _latents: bar.update(step - bar.n),
+            report=report,
+        )
+    images = vae.decode(source, latents, device=device, dtype=args.precision, report=report)
+    seconds = time.perf_counter() - start
+
+    stem = outputs.next_stem(args.out, args.prefix)
+    written = outputs.save_png(images, stem)
+    written += report.write(stem.with_name(stem.name + "_memory"))
+    if recording:
+        written.append(memory.dump_snapshot(stem.with_name(stem.name + "_memory.pickle")))
+        memory.stop_history()
+    print(report.markdown())
+    print(f"\n{len(images)} image(s) {width}x{height} in {seconds:.2f} s on {device}; wrote:")
+    for path in written:
+        print(f"  {path}")
+    return {"images": images, "report": report, "files": written, "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
+    try:
+        if args.command == "demo":
+            folder = args.model_dir or default_home() / f"random-{args.preset}"
+            device = as_device(args.device)
+            if not (folder / "model_index.json").is_file():
+                print(f"building a random {args.preset} PixArt-Σ model in {folder} (once) …", file=sys.stderr)
+            # The full preset is built on the GPU in bf16 (fast); the tiny one in fp32 on the CPU.
+            tiny = args.preset == "tiny"
+            random_model.ensure_random_pixart(
+                folder,
+                args.preset,
+                device="cpu" if tiny else device,
+                dtype=torch.float32 if tiny else torch.bfloat16,
+            )
+            run(args, str(folder))
+        else:
+            run(args, args.model)
+    except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,64 @@
+"""The interface every quantization backend implements."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class QuantBackend(ABC):
+    """A library that quantizes weights, offering a few named schemes.
+
+    A scheme either acts at load time (``load_kwargs``, passed to ``from_pretrained``) or after it
+    (``after_load``), whichever the library supports; a stage calls both.
+    """
+
+    name: str
+    package: str  # what `pip install` takes
+    module: str  # what Python imports
+    schemes: Mapping[str, str]  # scheme -> one-line description
+    device_types: frozenset[str]
+
+    def require(self, scheme: str, device: torch.device) -> None:
+        """Raise a clear error unless ``scheme`` can run on ``device`` with this machine's packages."""
+        if scheme not in self.schemes:
+            raise ValueError(
+                f"{self.name} has no scheme {scheme!r}; choose one of {', '.join(self.schemes)}."
+            )
+        try:
+            importlib.import_module(self.module)
+        except ImportError as exc:
+            raise ImportError(
+                f"quantization {scheme!r} needs the {self.package!r} package, which is not installed "
+                f"({exc}). Install it with `pip install {self.package}`, or choose quantization 'none'."
+            ) from exc
+        if device.type not in self.device_types:
+            raise RuntimeError(
+                f"quantization {scheme!r} ({self.package}) cannot run on device {device.type!r}; it runs on "
+                f"{', '.join(sorted(self.device_types))}. Choose quantization 'none' or another device."
+            )
+
+    def load_kwargs(self, scheme: str, compute_dtype: torch.dtype) -> dict[str, Any]:
+        return {}
+
+    def after_load(self, model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+        return model
+
+    @abstractmethod
+    def describe(self, scheme: str) -> str:
+        """A short label for reports and embeddings metadata."""
+
+
+class NoQuant(QuantBackend):
+    name = "none"
+    package = "torch"
+    module = "torch"
+    schemes = {"none": "no quantization (weights in the stage's dtype)"}
+    device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
+
+    def describe(self, scheme: str) -> str:
+        return "none"

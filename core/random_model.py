@@ -1,0 +1,252 @@
+"""PixArt-Σ-architecture models with random weights, saved in the diffusers folder layout.
+
+``tiny`` is for the demo and the tests (runs on a CPU in seconds); ``full`` has the published
+PixArt-Sigma-XL-2-1024-MS shapes, for memory and speed benchmarks, where weights do not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .models import MODEL_INDEX
+
+logger = logging.getLogger(__name__)
+
+PRESETS: dict[str, dict[str, dict]] = {
+    "tiny": {
+        # Widths are multiples of 64: bitsandbytes' packed 4-bit CPU path needs that.
+        "text_encoder": dict(
+            d_model=64,
+            d_kv=32,
+            d_ff=128,
+            num_layers=2,
+            num_heads=2,
+            feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+        ),
+        "transformer": dict(
+            sample_size=8,
+            num_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=2,
+            caption_channels=64,
+            cross_attention_dim=64,
+            in_channels=4,
+            out_channels=8,
+            patch_size=2,
+            norm_type="ada_norm_single",
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+            num_embeds_ada_norm=1000,
+            activation_fn="gelu-approximate",
+            attention_bias=True,
+            use_additional_conditions=False,
+            interpolation_scale=1,
+        ),
+        # Four blocks give the real 8x downsampling with few channels.
+        "vae": dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=(32, 32, 32, 32),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=1,
+            norm_num_groups=32,
+            sample_size=64,
+            scaling_factor=0.13025,
+        ),
+    },
+    "full": {
+        # google/t5-v1_1-xxl encoder
+        "text_encoder": dict(
+            d_model=4096,
+            d_kv=64,
+            d_ff=10240,
+            num_layers=24,
+            num_heads=64,
+            feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32,
+            relative_attention_max_distance=128,
+            vocab_size=32128,
+        ),
+        # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer
+        "transformer": dict(
+            sample_size=128,
+            num_layers=28,
+            attention_head_dim=72,
+            num_attention_heads=16,
+            caption_channels=4096,
+            cross_attention_dim=1152,
+            in_channels=4,
+            out_channels=8,
+            patch_size=2,
+            norm_type="ada_norm_single",
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+            num_embeds_ada_norm=1000,
+            activation_fn="gelu-approximate",
+            attention_bias=True,
+            use_additional_conditions=False,
+            interpolation_scale=2,
+        ),
+        # SDXL VAE
+        "vae": dict(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            block_out_channels=(128, 256, 512, 512),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            layers_per_block=2,
+            norm_num_groups=32,
+            sample_size=1024,
+            scaling_factor=0.13025,
+            force_upcast=True,
+        ),
+    },
+}
+
+SCHEDULER = dict(
+    algorithm_type="dpmsolver++",
+    beta_start=0.0001,
+    beta_end=0.02,
+    beta_schedule="linear",
+    num_train_timesteps=1000,
+    prediction_type="epsilon",
+    solver_order=2,
+    lower_order_final=True,
+    timestep_spacing="linspace",
+)
+
+WORDS = [
+    "a",
+    "photo",
+    "of",
+    "the",
+    "an",
+    "in",
+    "on",
+    "with",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "black",
+    "white",
+    "cat",
+    "dog",
+    "bird",
+    "tree",
+    "house",
+    "sky",
+    "sea",
+    "mountain",
+    "city",
+    "street",
+    "small",
+    "big",
+    "old",
+    "young",
+    "person",
+    "woman",
+    "man",
+    "car",
+    "flower",
+    "garden",
+    "night",
+    "day",
+    "sun",
+    "moon",
+    "painting",
+    "portrait",
+    "landscape",
+    "detailed",
+    "style",
+    "light",
+    "dark",
+]
+
+
+def build_tokenizer(vocab_size: int):
+    """A T5 (unigram) tokenizer built in memory: whole words, then characters, padded with filler
+    pieces to ``vocab_size`` - 100 so token ids cover the embedding table like the real one."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("▁" + w, -1.0) for w in WORDS] + [("▁", -2.0)]
+    pieces += [
+        (c, -3.0) for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()"
+    ]
+    filler = vocab_size - 100 - len(pieces)
+    pieces += [(f"▁x{i}", -10.0) for i in range(max(filler, 0))]
+    return T5Tokenizer(vocab=pieces, extra_ids=100)
+
+
+def build_random_pixart(
+    folder: str | os.PathLike,
+    preset: str = "tiny",
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random PixArt-Σ-architecture model to ``folder`` (atomically: built beside it, then renamed)."""
+    from diffusers import (
+        AutoencoderKL,
+        DPMSolverMultistepScheduler,
+        PixArtSigmaPipeline,
+        PixArtTransformer2DModel,
+    )
+    from transformers import T5Config, T5EncoderModel
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}.")
+    shapes = PRESETS[preset]
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    te_config = dict(shapes["text_encoder"])
+    vocab_size = te_config.pop("vocab_size", 160 + 100)
+    tokenizer = build_tokenizer(vocab_size)
+    with torch.device(device):
+        text_encoder = T5EncoderModel(
+            T5Config(vocab_size=len(tokenizer), is_encoder_decoder=False, use_cache=False, **te_config)
+        )
+        transformer = PixArtTransformer2DModel(**shapes["transformer"])
+        vae = AutoencoderKL(**shapes["vae"])
+    if dtype != torch.float32:
+        for module in (text_encoder, transformer, vae):
+            module.to(dtype)
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=vae,
+        scheduler=DPMSolverMultistepScheduler(**SCHEDULER),
+    )
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        pipe.save_pretrained(staging, safe_serialization=True)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("built a random %s PixArt-Σ model in %s", preset, folder)
+    return folder
+
+
+def ensure_random_pixart(folder: str | os.PathLike, preset: str = "tiny", **kwargs) -> Path:
+    """Build the model once; later calls reuse the folder."""
+    folder = Path(folder)
+    if (folder / MODEL_INDEX).is_file():
+        return folder
+    return build_random_pixart(folder, preset, **kwargs)

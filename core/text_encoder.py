@@ -1,0 +1,109 @@
+"""Prompt -> T5 embeddings, with T5 loaded quantized and freed afterwards."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import memory
+from .cache import cache
+from .devices import as_device, resolve_dtype
+from .models import ModelSource
+from .quant import TEXT_ENCODER_SCHEMES, Quantization
+
+logger = logging.getLogger(__name__)
+
+MAX_TOKENS = 300  # PixArt-Σ's caption length
+
+
+@dataclass(frozen=True)
+class PixArtEmbeds:
+    """What the encoder hands the sampler: padded embeddings and masks, kept on the CPU."""
+
+    prompt_embeds: torch.Tensor  # [B, 300, C]
+    prompt_mask: torch.Tensor  # [B, 300]
+    negative_embeds: torch.Tensor
+    negative_mask: torch.Tensor
+    model: str  # which weights produced them
+    quantization: str
+    dtype: torch.dtype
+
+    @property
+    def width(self) -> int:
+        return self.prompt_embeds.shape[-1]
+
+    @property
+    def batch(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+
+def _load(source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device):
+    from transformers import T5EncoderModel
+
+    folder = source.folder(["text_encoder"])
+    model = T5EncoderModel.from_pretrained(
+        folder,
+        subfolder="text_encoder",
+        dtype=dtype,
+        device_map={"": str(device)},
+        **quant.load_kwargs(dtype),
+    )
+    model = quant.after_load(model)
+    model.eval()
+    return model
+
+
+def _load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.folder(["tokenizer"]), subfolder="tokenizer")
+
+
+def encode(
+    source: ModelSource,
+    prompt: str,
+    negative_prompt: str = "",
+    quantization: str = "nf4",
+    device: torch.device | str | None = None,
+    dtype: str | torch.dtype | None = None,
+    keep_loaded: bool = False,
+    report: memory.MemoryReport | None = None,
+) -> PixArtEmbeds:
+    """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
+    unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string)."""
+    from diffusers import PixArtSigmaPipeline
+
+    device = as_device(device)
+    quant = Quantization(quantization, device, TEXT_ENCODER_SCHEMES)
+    # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
+    dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16)
+    key = ("text_encoder", source.key, quant.scheme, dtype, str(device))
+    with memory.stage("t5_encode", device, report):
+        tokenizer = _load_tokenizer(source)
+        with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as text_encoder:
+            # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
+            pipe = PixArtSigmaPipeline(
+                tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
+            )
+            embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+                prompt,
+                do_classifier_free_guidance=True,
+                negative_prompt=negative_prompt,
+                device=device,
+                clean_caption=False,
+                max_sequence_length=MAX_TOKENS,
+            )
+            result = PixArtEmbeds(
+                prompt_embeds=embeds.cpu(),
+                prompt_mask=mask.cpu(),
+                negative_embeds=neg_embeds.cpu(),
+                negative_mask=neg_mask.cpu(),
+                model=source.key,
+                quantization=quant.describe(),
+                dtype=embeds.dtype,
+            )
+            del pipe, embeds, mask, neg_embeds, neg_mask
+        del text_encoder
+    return result
