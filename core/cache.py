@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from .memory import free_memory
+from .memory import NO_CUDA, format_bytes, free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -47,3 +48,31 @@ class ModelCache:
 
 
 cache = ModelCache()
+
+
+@dataclass
+class FreeResult:
+    models_dropped: int
+    allocated_before: int | None
+    allocated_after: int | None
+
+    def summary(self) -> str:
+        dropped = f"dropped {self.models_dropped} kept model(s)"
+        if self.allocated_before is None:
+            return f"{dropped}; {NO_CUDA}"
+        freed = self.allocated_before - self.allocated_after
+        return (
+            f"{dropped}; freed {format_bytes(max(freed, 0))} "
+            f"(allocated {format_bytes(self.allocated_before)} -> {format_bytes(self.allocated_after)})"
+        )
+
+
+def free_all(release_others: Callable[[], object] | None = None) -> FreeResult:
+    """Drop the pack's kept models and, through ``release_others``, anything the host application holds."""
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    dropped = cache.clear()
+    if release_others is not None:
+        release_others()
+    free_memory()
+    after = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    return FreeResult(dropped, before, after)

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
     sample_size = source.config("transformer").get("sample_size", 128) * 8
     width, height = args.width or sample_size, args.height or sample_size
     report = memory.MemoryReport()
-    recording = not args.no_snapshot and memory.start_history()
+    recording = not args.no_snapshot and memory.history.ensure("cli")
     start = time.perf_counter()
     embeds = text_encoder.encode(
         source, args.prompt, args.negative, quantization=args.t5_quant, device=device, report=report
@@ -113,8 +113,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
     written = outputs.save_png(images, stem)
     written += report.write(stem.with_name(stem.name + "_memory"))
     if recording:
-        written.append(memory.dump_snapshot(stem.with_name(stem.name + "_memory.pickle")))
-        memory.stop_history()
+        written.append(memory.history.dump(stem.with_name(stem.name + "_memory.pickle")))
     print(report.markdown())
     print(f"\n{len(images)} image(s) {width}x{height} in {seconds:.2f} s on {device}; wrote:")
     for path in written:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from . import outputs
+
 logger = logging.getLogger(__name__)
 
 NO_CUDA = "no CUDA"
@@ -145,22 +147,48 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         logger.info("stage %s: %s", name, " | ".join(record.cells()[1:]))
 
 
-def start_history() -> bool:
-    """Start recording the CUDA allocator history; False when there is no CUDA."""
-    if not torch.cuda.is_available():
-        return False
-    torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
-    return True
+class History:
+    """The process-wide CUDA allocator history (for PyTorch's memory viewer), recorded for one run."""
 
+    def __init__(self) -> None:
+        self.run_id: str | None = None
 
-def stop_history() -> None:
-    if torch.cuda.is_available():
+    def ensure(self, run_id: str) -> bool:
+        """Record from now on for ``run_id``; False when there is no CUDA."""
+        if not torch.cuda.is_available():
+            return False
+        if self.run_id is None:
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
+        self.run_id = run_id
+        return True
+
+    def dump(self, path: Path) -> Path | None:
+        """Write the snapshot pickle and stop recording; None without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        torch.cuda.memory._dump_snapshot(str(path))
         torch.cuda.memory._record_memory_history(enabled=None)
+        self.run_id = None
+        return path
 
 
-def dump_snapshot(path: Path) -> Path | None:
-    """Write the allocator snapshot (a pickle for https://pytorch.org/memory_viz); None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.memory._dump_snapshot(str(path))
-    return path
+history = History()
+
+
+def write_record(report: MemoryReport, folder: Path, prefix: str) -> str:
+    """Write the stage table (.md, .json) and, with CUDA, the allocator snapshot (.pickle) under
+    ``folder``; return a summary for the user."""
+    stem = outputs.next_stem(folder, prefix)
+    written = report.write(stem)
+    snapshot = history.dump(stem.with_suffix(".pickle"))
+    if snapshot is not None:
+        written.append(snapshot)
+    lines = [
+        report.markdown() if report.stages else "no stage of the pack ran in this prompt (cached outputs?)"
+    ]
+    peak = report.peak_allocated
+    lines.append(f"peak allocated over the prompt: {format_bytes(peak)}")
+    if snapshot is None:
+        lines.append(f"{NO_CUDA}: no allocator snapshot")
+    lines.append("files: " + ", ".join(p.name for p in written))
+    return "\n".join(lines)

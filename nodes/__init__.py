@@ -1,0 +1,24 @@
+"""ComfyUI adapters: one file per node; each reads inputs, calls one core function, wraps the result."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .free_vram import FreeVRAM
+from .memory_snapshot import MemorySnapshot
+from .sampler import QuantoPixArtSampler
+from .t5_encode import QuantizedT5Encode
+from .vae_decode import PixArtVAEDecode
+
+NODES: list[type[io.ComfyNode]] = [
+    QuantizedT5Encode,
+    QuantoPixArtSampler,
+    PixArtVAEDecode,
+    FreeVRAM,
+    MemorySnapshot,
+]
+
+
+class PixArtLowVRAMExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return NODES

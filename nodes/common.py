@@ -1,0 +1,76 @@
+"""What every node of the pack shares: ComfyUI's services turned into plain values for core."""
+
+from __future__ import annotations
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+from comfy_api.latest import io
+from comfy_execution.utils import get_executing_context
+
+from ..core import memory
+from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
+
+CATEGORY = "PixArt-Σ low VRAM"
+SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
+
+PixArtEmbeds = io.Custom("PIXART_EMBEDS")
+
+
+def model_roots() -> list[str]:
+    """ComfyUI's models/diffusers folders, including those from extra_model_paths.yaml."""
+    return folder_paths.get_folder_paths("diffusers")
+
+
+def model_input() -> io.Combo.Input:
+    return io.Combo.Input(
+        "model",
+        options=find_model_folders(model_roots()) + list(HUB_IDS),
+        tooltip="A diffusers-format PixArt-Σ folder under models/diffusers (one with model_index.json), or "
+        "the hub id, downloaded to the Hugging Face cache when the machine is online.",
+    )
+
+
+def keep_loaded_input() -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "keep_loaded",
+        default=False,
+        tooltip="Keep the model in memory for the next prompt instead of unloading it when done. "
+        "Free VRAM releases it.",
+    )
+
+
+def resolve(name: str) -> ModelSource:
+    return resolve_model(name, model_roots())
+
+
+def device():
+    return comfy.model_management.get_torch_device()
+
+
+def run_id() -> str:
+    context = get_executing_context()
+    return context.prompt_id if context is not None else "no-prompt"
+
+
+def begin_stage(prompt: dict | None) -> memory.MemoryReport:
+    """Called first by each model node: starts the allocator history when this prompt holds a Memory
+    Snapshot node (so the snapshot covers every stage), and returns this prompt's report."""
+    wanted = any(
+        isinstance(node, dict) and node.get("class_type") == SNAPSHOT_NODE_ID
+        for node in (prompt or {}).values()
+    )
+    if wanted:
+        memory.history.ensure(run_id())
+    return memory.reports.get(run_id())
+
+
+def step_callback(total: int):
+    """Drives ComfyUI's progress bar and stops at the next step when the user cancels."""
+    bar = comfy.utils.ProgressBar(total)
+
+    def on_step(step: int, _total: int, _latents) -> None:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        bar.update_absolute(step, total)
+
+    return on_step

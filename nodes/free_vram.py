@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import time
+
+import comfy.model_management
+from comfy_api.latest import io, ui
+
+from ..core.cache import free_all
+from . import common
+
+_ANY = io.MatchType.Template("value")
+
+
+class FreeVRAM(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PixArtQ_FreeVRAM",
+            display_name="Free VRAM",
+            category=common.CATEGORY,
+            description="Passes its input through unchanged after dropping the pack's kept models and the "
+            "models ComfyUI holds, collecting garbage and emptying the CUDA cache. Place it between stages to "
+            "force ordering and free memory.",
+            inputs=[
+                io.MatchType.Input("value", template=_ANY, tooltip="Anything; passed through unchanged.")
+            ],
+            outputs=[
+                io.MatchType.Output(template=_ANY, display_name="value", tooltip="The input, unchanged.")
+            ],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **kwargs):
+        return time.time()  # free every time the prompt runs, even when the input is cached
+
+    @classmethod
+    def execute(cls, value) -> io.NodeOutput:
+        result = free_all(release_others=comfy.model_management.unload_all_models)
+        comfy.model_management.soft_empty_cache()
+        return io.NodeOutput(value, ui=ui.PreviewText(result.summary()))

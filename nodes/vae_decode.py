@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..core import vae
+from . import common
+
+
+class PixArtVAEDecode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PixArtQ_VAEDecode",
+            display_name="VAE Decode (PixArt-Σ)",
+            category=common.CATEGORY,
+            description="Decodes a LATENT with the PixArt-Σ model's VAE (the SDXL VAE), then unloads it.",
+            inputs=[
+                common.model_input(),
+                io.Latent.Input("latent", tooltip="From Quanto PixArt Sampler or any SDXL-format LATENT."),
+                common.keep_loaded_input(),
+            ],
+            outputs=[io.Image.Output(tooltip="Images [batch, height, width, 3], 0..1, on the CPU.")],
+            hidden=[io.Hidden.prompt],
+        )
+
+    @classmethod
+    def execute(cls, model, latent, keep_loaded) -> io.NodeOutput:
+        report = common.begin_stage(cls.hidden.prompt)
+        samples = latent.get("samples") if isinstance(latent, dict) else latent
+        images = vae.decode(
+            common.resolve(model), samples, device=common.device(), keep_loaded=keep_loaded, report=report
+        )
+        return io.NodeOutput(images)
