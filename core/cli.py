@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 device="cpu" if tiny else device,
                 dtype=torch.float32 if tiny else torch.bfloat16,
             )
+            memory.free_memory()
             run(args, str(folder))
         else:
             run(args, args.model)

@@ -46,6 +46,9 @@ class StageRecord:
     seconds: float
     peak_allocated: int | None = None
     peak_reserved: int | None = None
+    # What other code held when the stage began: the stage's own share is peak - start.
+    start_allocated: int | None = None
+    start_reserved: int | None = None
     error: str | None = None
 
     def cells(self) -> list[str]:
@@ -122,10 +125,12 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
     """
     device = torch.device(device)
     on_cuda = cuda_in_use(device)
+    record = StageRecord(stage=name, device=str(device), seconds=0.0)
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    record = StageRecord(stage=name, device=str(device), seconds=0.0)
+        record.start_allocated = torch.cuda.memory_allocated(device)
+        record.start_reserved = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
     try:
         with torch.inference_mode():
