@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from . import memory, outputs, random_model, sampler, text_encoder, vae
 from .devices import PRECISIONS, as_device
 from .models import HUB_IDS, resolve_model
-from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES
+from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES, Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,13 @@ def run(args: argparse.Namespace, model: str) -> dict:
     device = as_device(args.device)
     sample_size = source.config("transformer").get("sample_size", 128) * 8
     width, height = args.width or sample_size, args.height or sample_size
+    # Every setting is checked before the first model loads.
+    sampler.check_settings(width, height, args.steps, args.cfg, args.seed, args.batch_size)
+    outputs.check_prefix(args.prefix, "--prefix")
+    Quantization(args.t5_quant, device, TEXT_ENCODER_SCHEMES)
+    Quantization(args.quant, device, TRANSFORMER_SCHEMES)
     report = memory.MemoryReport()
-    recording = not args.no_snapshot and memory.history.ensure("cli")
+    recording = not args.no_snapshot and device.type == "cuda" and memory.history.ensure("cli")
     start = time.perf_counter()
     embeds = text_encoder.encode(
         source, args.prompt, args.negative, quantization=args.t5_quant, device=device, report=report

@@ -86,7 +86,7 @@ class MemoryReport:
 
     def write(self, stem: Path) -> list[Path]:
         """Write ``stem.json`` and ``stem.md``; return the paths."""
-        json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+        json_path, md_path = (stem.with_name(stem.name + ext) for ext in (".json", ".md"))
         json_path.write_text(json.dumps(self.to_dict(), indent=2))
         md_path.write_text(self.markdown() + "\n")
         return [json_path, md_path]
@@ -185,7 +185,7 @@ def write_record(report: MemoryReport, folder: Path, prefix: str) -> str:
     ``folder``; return a summary for the user."""
     stem = outputs.next_stem(folder, prefix)
     written = report.write(stem)
-    snapshot = history.dump(stem.with_suffix(".pickle"))
+    snapshot = history.dump(stem.with_name(stem.name + ".pickle"))
     if snapshot is not None:
         written.append(snapshot)
     lines = [

@@ -99,6 +99,8 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
         raise ValueError(f"model: no model given. {LAYOUT_HINT}")
     candidates = [Path(name).expanduser()] if Path(name).expanduser().is_absolute() else []
     candidates += [root / name for root in roots]
+    if _looks_like_hub_id(name):  # a local copy of a hub repository, kept under its repo name
+        candidates += [root / name.split("/")[-1] for root in roots]
     if not Path(name).is_absolute():
         candidates.append(Path(name))
     for folder in candidates:

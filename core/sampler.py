@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 SIZE_MULTIPLE = 16  # the VAE's 8× times the transformer's 2× patch
 MIN_SIZE, MAX_SIZE = 64, 4096
 MAX_BATCH = 64
+MAX_STEPS = 1000
+MAX_CFG = 100.0
 MAX_SEED = 2**64 - 1
 LATENT_CHANNELS = 4
 
@@ -38,17 +40,21 @@ def check_size(name: str, value: int) -> None:
         )
 
 
+def _check_number(name: str, value: object, low: float, high: float, whole: bool, hint: str = "") -> None:
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be a {'whole ' if whole else ''}number, got {value!r}.")
+    if not low <= value <= high:
+        raise ValueError(f"{name} {value} is out of range; use {low}..{high}{hint}.")
+
+
 def check_settings(width: int, height: int, steps: int, cfg: float, seed: int, batch_size: int) -> None:
     check_size("width", width)
     check_size("height", height)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps!r}.")
-    if not 0.0 <= cfg <= 100.0:
-        raise ValueError(f"cfg {cfg} is out of range; use 0..100 (1 or less turns guidance off).")
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed {seed} is out of range; use 0..{MAX_SEED}.")
-    if not 1 <= batch_size <= MAX_BATCH:
-        raise ValueError(f"batch_size {batch_size} is out of range; use 1..{MAX_BATCH}.")
+    _check_number("steps", steps, 1, MAX_STEPS, whole=True)
+    _check_number("cfg", cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
+    _check_number("seed", seed, 0, MAX_SEED, whole=True)
+    _check_number("batch_size", batch_size, 1, MAX_BATCH, whole=True)
 
 
 def check_embeds(embeds: PixArtEmbeds, caption_channels: int, model_name: str) -> None:
@@ -100,8 +106,6 @@ def sample(
 
     The noise is drawn on the CPU so a seed gives the same image on any device.
     """
-    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
-
     check_settings(width, height, steps, cfg, seed, batch_size)
     device = as_device(device)
     quant = Quantization(quantization, device, TRANSFORMER_SCHEMES)
@@ -109,40 +113,51 @@ def sample(
     config = source.config("transformer")
     check_embeds(embeds, config.get("caption_channels", 4096), source.name)
     scale = scaling_factor(source)
-    key = ("transformer", source.key, quant.scheme, dtype, str(device))
-
+    # Drawn in fp32 on the CPU: a low-precision draw gives other numbers on some torch versions.
+    noise = torch.randn(
+        (embeds.batch * batch_size, LATENT_CHANNELS, height // 8, width // 8),
+        generator=torch.Generator("cpu").manual_seed(seed),
+        dtype=torch.float32,
+    )
     with memory.stage("sample", device, report):
-        scheduler = DPMSolverMultistepScheduler.from_pretrained(
-            source.folder(["scheduler"]), subfolder="scheduler"
+        return (
+            _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded, on_step).float()
+            / scale
+        ).cpu()
+
+
+def _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded, on_step) -> torch.Tensor:
+    # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
+
+    key = ("transformer", source.key, quant.scheme, dtype, str(device))
+    scheduler = DPMSolverMultistepScheduler.from_pretrained(
+        source.folder(["scheduler"]), subfolder="scheduler"
+    )
+    with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as transformer:
+        pipe = PixArtSigmaPipeline(
+            tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=scheduler
         )
-        with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as transformer:
-            pipe = PixArtSigmaPipeline(
-                tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=scheduler
-            )
-            pipe.set_progress_bar_config(disable=True)
+        pipe.set_progress_bar_config(disable=True)
 
-            def callback(step: int, _t, latents: torch.Tensor) -> None:
-                if on_step is not None:
-                    on_step(step + 1, steps, latents)
+        def callback(step: int, _t, latents: torch.Tensor) -> None:
+            if on_step is not None:
+                on_step(step + 1, steps, latents)
 
-            latents = pipe(
-                negative_prompt=None,
-                prompt_embeds=embeds.prompt_embeds.to(device, dtype),
-                prompt_attention_mask=embeds.prompt_mask.to(device),
-                negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
-                negative_prompt_attention_mask=embeds.negative_mask.to(device),
-                width=width,
-                height=height,
-                num_inference_steps=steps,
-                guidance_scale=cfg,
-                num_images_per_prompt=batch_size,
-                generator=torch.Generator("cpu").manual_seed(seed),
-                output_type="latent",
-                use_resolution_binning=False,
-                callback=callback,
-                return_dict=False,
-            )[0]
-            result = (latents.float() / scale).cpu()
-            del pipe, latents
-        del transformer
-    return result
+        return pipe(
+            negative_prompt=None,
+            prompt_embeds=embeds.prompt_embeds.to(device, dtype),
+            prompt_attention_mask=embeds.prompt_mask.to(device),
+            negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
+            negative_prompt_attention_mask=embeds.negative_mask.to(device),
+            latents=noise.to(device, dtype),
+            width=noise.shape[-1] * 8,
+            height=noise.shape[-2] * 8,
+            num_inference_steps=steps,
+            guidance_scale=cfg,
+            num_images_per_prompt=noise.shape[0] // embeds.batch,
+            output_type="latent",
+            use_resolution_binning=False,
+            callback=callback,
+            return_dict=False,
+        )[0]

@@ -73,37 +73,42 @@ def encode(
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
     unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string)."""
-    from diffusers import PixArtSigmaPipeline
-
+    for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+        if not isinstance(text, str):
+            raise TypeError(f"{name} must be text, got {type(text).__name__}.")
     device = as_device(device)
     quant = Quantization(quantization, device, TEXT_ENCODER_SCHEMES)
     # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16)
-    key = ("text_encoder", source.key, quant.scheme, dtype, str(device))
     with memory.stage("t5_encode", device, report):
-        tokenizer = _load_tokenizer(source)
-        with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as text_encoder:
-            # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
-            pipe = PixArtSigmaPipeline(
-                tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
-            )
-            embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
-                prompt,
-                do_classifier_free_guidance=True,
-                negative_prompt=negative_prompt,
-                device=device,
-                clean_caption=False,
-                max_sequence_length=MAX_TOKENS,
-            )
-            result = PixArtEmbeds(
-                prompt_embeds=embeds.cpu(),
-                prompt_mask=mask.cpu(),
-                negative_embeds=neg_embeds.cpu(),
-                negative_mask=neg_mask.cpu(),
-                model=source.key,
-                quantization=quant.describe(),
-                dtype=embeds.dtype,
-            )
-            del pipe, embeds, mask, neg_embeds, neg_mask
-        del text_encoder
-    return result
+        return _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded)
+
+
+def _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded) -> PixArtEmbeds:
+    # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
+    from diffusers import PixArtSigmaPipeline
+
+    key = ("text_encoder", source.key, quant.scheme, dtype, str(device))
+    tokenizer = _load_tokenizer(source)
+    with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as text_encoder:
+        # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
+        pipe = PixArtSigmaPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
+        )
+        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+            prompt,
+            do_classifier_free_guidance=True,
+            negative_prompt=negative_prompt,
+            device=device,
+            clean_caption=False,
+            max_sequence_length=MAX_TOKENS,
+        )
+    return PixArtEmbeds(
+        prompt_embeds=embeds.cpu(),
+        prompt_mask=mask.cpu(),
+        negative_embeds=neg_embeds.cpu(),
+        negative_mask=neg_mask.cpu(),
+        model=source.key,
+        quantization=quant.describe(),
+        dtype=embeds.dtype,
+    )

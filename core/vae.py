@@ -43,11 +43,13 @@ def decode(
     device = as_device(device)
     # The SDXL VAE overflows in fp16 (hence ComfyUI decodes it in bf16 or fp32).
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.float32)
-    key = ("vae", source.key, dtype, str(device))
     with memory.stage("vae_decode", device, report):
-        with cache.use(key, lambda: _load(source, dtype, device), keep_loaded) as vae:
-            decoded = vae.decode(samples.to(device, dtype), return_dict=False)[0]
-            images = (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()
-            del decoded
-        del vae
-    return images
+        return _decode(source, samples, dtype, device, keep_loaded)
+
+
+def _decode(source, samples, dtype, device, keep_loaded) -> torch.Tensor:
+    # Its own frame: once it has returned or raised, nothing here keeps the VAE alive.
+    key = ("vae", source.key, dtype, str(device))
+    with cache.use(key, lambda: _load(source, dtype, device), keep_loaded) as vae:
+        decoded = vae.decode(samples.to(device, dtype), return_dict=False)[0]
+    return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()

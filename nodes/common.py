@@ -48,21 +48,24 @@ def device():
     return comfy.model_management.get_torch_device()
 
 
-def run_id() -> str:
+def run_id() -> str | None:
     context = get_executing_context()
-    return context.prompt_id if context is not None else "no-prompt"
+    return context.prompt_id if context is not None else None
 
 
-def begin_stage(prompt: dict | None) -> memory.MemoryReport:
+def report() -> memory.MemoryReport:
+    """This prompt's memory report (a throwaway one outside a prompt)."""
+    prompt_id = run_id()
+    return memory.reports.get(prompt_id) if prompt_id is not None else memory.MemoryReport()
+
+
+def begin_stage(dynprompt) -> memory.MemoryReport:
     """Called first by each model node: starts the allocator history when this prompt holds a Memory
     Snapshot node (so the snapshot covers every stage), and returns this prompt's report."""
-    wanted = any(
-        isinstance(node, dict) and node.get("class_type") == SNAPSHOT_NODE_ID
-        for node in (prompt or {}).values()
-    )
-    if wanted:
-        memory.history.ensure(run_id())
-    return memory.reports.get(run_id())
+    prompt = dynprompt.get_original_prompt() if dynprompt is not None else {}
+    if any(isinstance(node, dict) and node.get("class_type") == SNAPSHOT_NODE_ID for node in prompt.values()):
+        memory.history.ensure(run_id() or "no-prompt")
+    return report()
 
 
 def step_callback(total: int):

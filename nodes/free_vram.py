@@ -31,8 +31,9 @@ class FreeVRAM(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, **kwargs):
-        return time.time()  # free every time the prompt runs, even when the input is cached
+    def fingerprint_inputs(cls, **kwargs) -> float:
+        # Freeing is the point: run on every queue, even when the input is cached (nodes after it re-run too).
+        return time.time()
 
     @classmethod
     def execute(cls, value) -> io.NodeOutput:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import folder_paths
@@ -38,12 +37,8 @@ class MemorySnapshot(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, **kwargs):
-        return time.time()  # a fresh record for every prompt
-
-    @classmethod
     def execute(cls, value, filename_prefix) -> io.NodeOutput:
         summary = memory.write_record(
-            memory.reports.get(common.run_id()), Path(folder_paths.get_output_directory()), filename_prefix
+            common.report(), Path(folder_paths.get_output_directory()), filename_prefix
         )
         return io.NodeOutput(value, ui=ui.PreviewText(summary))

@@ -36,7 +36,13 @@ class QuantoPixArtSampler(io.ComfyNode):
                     step=sampler.SIZE_MULTIPLE,
                     tooltip="Image height in pixels, a multiple of 16.",
                 ),
-                io.Int.Input("steps", default=20, min=1, max=1000, tooltip="Denoising steps (DPM-Solver++)."),
+                io.Int.Input(
+                    "steps",
+                    default=20,
+                    min=1,
+                    max=sampler.MAX_STEPS,
+                    tooltip="Denoising steps (DPM-Solver++).",
+                ),
                 io.Float.Input(
                     "cfg",
                     default=4.5,
@@ -69,14 +75,24 @@ class QuantoPixArtSampler(io.ComfyNode):
             outputs=[
                 io.Latent.Output(tooltip="Latents in raw VAE space (divided by the VAE scaling factor).")
             ],
-            hidden=[io.Hidden.prompt],
+            hidden=[io.Hidden.dynprompt],
         )
+
+    @classmethod
+    def validate_inputs(cls, width, height) -> bool | str:
+        # ComfyUI does not enforce an INT's step: refuse a bad size when the prompt is queued.
+        try:
+            sampler.check_size("width", width)
+            sampler.check_size("height", height)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return True
 
     @classmethod
     def execute(
         cls, model, embeds, width, height, steps, cfg, seed, batch_size, weights, keep_loaded
     ) -> io.NodeOutput:
-        report = common.begin_stage(cls.hidden.prompt)
+        report = common.begin_stage(cls.hidden.dynprompt)
         samples = sampler.sample(
             common.resolve(model),
             embeds,

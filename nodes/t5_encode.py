@@ -40,12 +40,12 @@ class QuantizedT5Encode(io.ComfyNode):
                     tooltip="Prompt and negative embeddings with attention masks (300 tokens), on the CPU.",
                 )
             ],
-            hidden=[io.Hidden.prompt],
+            hidden=[io.Hidden.dynprompt],
         )
 
     @classmethod
     def execute(cls, model, prompt, negative_prompt, quantization, keep_loaded) -> io.NodeOutput:
-        report = common.begin_stage(cls.hidden.prompt)
+        report = common.begin_stage(cls.hidden.dynprompt)
         embeds = text_encoder.encode(
             common.resolve(model),
             prompt,

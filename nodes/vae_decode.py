@@ -20,12 +20,12 @@ class PixArtVAEDecode(io.ComfyNode):
                 common.keep_loaded_input(),
             ],
             outputs=[io.Image.Output(tooltip="Images [batch, height, width, 3], 0..1, on the CPU.")],
-            hidden=[io.Hidden.prompt],
+            hidden=[io.Hidden.dynprompt],
         )
 
     @classmethod
     def execute(cls, model, latent, keep_loaded) -> io.NodeOutput:
-        report = common.begin_stage(cls.hidden.prompt)
+        report = common.begin_stage(cls.hidden.dynprompt)
         samples = latent.get("samples") if isinstance(latent, dict) else latent
         images = vae.decode(
             common.resolve(model), samples, device=common.device(), keep_loaded=keep_loaded, report=report

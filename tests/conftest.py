@@ -1,0 +1,105 @@
+"""Shared fixtures for the CPU tier: one tiny random PixArt-Σ per session, an fp32 reference run, and
+a spy on the stages' load functions (weak references to what they loaded)."""
+
+from __future__ import annotations
+
+import os
+
+# Tests never download: the tiny model is built locally. huggingface_hub reads this at import time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gc
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core.cache import cache
+from pixart_lowvram.core.models import ModelSource, resolve_model
+from pixart_lowvram.core.random_model import build_random_pixart
+
+PROMPT = "a photo of a red cat in a garden"
+NEGATIVE = "dark"
+# The tiny preset's transformer has sample_size 8: 64 px is its native size.
+SIZE = 64
+FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random PixArt-Σ in the diffusers layout, built once per session."""
+    return build_random_pixart(tmp_path_factory.mktemp("model") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_folder: Path) -> ModelSource:
+    return resolve_model(str(tiny_folder))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny: ModelSource) -> SimpleNamespace:
+    """The fp32, unquantized chain at the settings below; what quantized runs are measured against."""
+    settings = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
+    embeds = text_encoder.encode(tiny, PROMPT, NEGATIVE, **FP32)
+    latents = sampler.sample(tiny, embeds, **settings, **FP32)
+    images = vae.decode(tiny, latents, device="cpu", dtype=torch.float32)
+    return SimpleNamespace(
+        prompt=PROMPT,
+        negative=NEGATIVE,
+        settings=settings,
+        embeds=embeds,
+        latents=latents,
+        images=images,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _empty_model_cache():
+    """Each test starts and ends with no kept models, so keep_loaded tests cannot leak into others.
+    (Only when there are some: clear() runs a full gc, which is slow with torch imported.)"""
+    if len(cache):
+        cache.clear()
+    yield
+    if len(cache):
+        cache.clear()
+
+
+@dataclass
+class LoadSpy:
+    """Weak references to every model the stages' ``_load`` functions returned, by stage."""
+
+    loaded: dict[str, list[weakref.ref]] = field(default_factory=dict)
+
+    def count(self, stage: str) -> int:
+        return len(self.loaded.get(stage, []))
+
+    def total(self) -> int:
+        return sum(map(len, self.loaded.values()))
+
+    def last(self, stage: str) -> weakref.ref:
+        return self.loaded[stage][-1]
+
+    def alive(self, stage: str) -> list[bool]:
+        gc.collect()
+        return [ref() is not None for ref in self.loaded.get(stage, [])]
+
+
+@pytest.fixture
+def load_spy(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
+    """Wrap ``text_encoder._load``, ``sampler._load`` and ``vae._load`` (stages ``text_encoder``,
+    ``transformer``, ``vae``); the wrappers keep only weak references."""
+    spy = LoadSpy()
+    for stage, module in (("text_encoder", text_encoder), ("transformer", sampler), ("vae", vae)):
+        original = module._load
+
+        def wrapper(*args, _original=original, _stage=stage, **kwargs):
+            model = _original(*args, **kwargs)
+            spy.loaded.setdefault(_stage, []).append(weakref.ref(model))
+            return model
+
+        monkeypatch.setattr(module, "_load", wrapper)
+    return spy

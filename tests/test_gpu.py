@@ -1,0 +1,135 @@
+"""GPU tier (``pytest -m gpu``): memory figures on CUDA, the allocator snapshot, and device memory
+returned by each stage. Deselected by default."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pixart_lowvram.core import memory, sampler, text_encoder, vae
+from pixart_lowvram.core.cache import cache
+
+pytestmark = pytest.mark.gpu
+
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "seed": 7}
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs CUDA; run it on the GPU machine (pytest -m gpu)")
+    return torch.device("cuda")
+
+
+def run_chain(source, device, report=None, **options):
+    embeds = text_encoder.encode(source, "a red cat", "dark", device=device, report=report, **options)
+    latents = sampler.sample(source, embeds, **SETTINGS, device=device, report=report, **options)
+    return vae.decode(source, latents, device=device, report=report, **options)
+
+
+def test_stages_report_cuda_peaks(tiny, cuda):
+    report = memory.MemoryReport()
+    images = run_chain(tiny, cuda, report)
+    assert images.device.type == "cpu" and images.dtype == torch.float32
+    assert torch.isfinite(images).all()
+    assert [r.stage for r in report.stages] == ["t5_encode", "sample", "vae_decode"]
+    for record in report.stages:
+        assert record.device.startswith("cuda")
+        assert isinstance(record.peak_allocated, int) and record.peak_allocated > 0
+        assert isinstance(record.peak_reserved, int) and record.peak_reserved >= record.peak_allocated
+        assert record.error is None
+    assert report.peak_allocated == max(r.peak_allocated for r in report.stages)
+    assert memory.NO_CUDA not in report.markdown()
+
+
+def test_snapshot_pickle_is_written(tiny, cuda, tmp_path):
+    assert memory.history.ensure("test") is True
+    try:
+        text_encoder.encode(tiny, "a red cat", device=cuda)
+    finally:
+        # dump() also stops the recording.
+        path = memory.history.dump(tmp_path / "snapshot.pickle")
+    assert path == tmp_path / "snapshot.pickle"
+    snapshot = pickle.loads(path.read_bytes())
+    assert snapshot["segments"] or snapshot["device_traces"]
+
+
+def _settled(run) -> int:
+    """Device memory allocated after ``run``, once a first run has created what stays for the
+    process (cuBLAS workspaces, kernels' buffers)."""
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+@pytest.mark.parametrize("stage", ["text_encoder", "transformer", "vae"])
+def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
+    def run(keep_loaded=False):
+        if stage == "text_encoder":
+            return text_encoder.encode(tiny, "a red cat", device=cuda, keep_loaded=keep_loaded)
+        if stage == "transformer":
+            return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, keep_loaded=keep_loaded)
+        return vae.decode(tiny, reference.latents, device=cuda, keep_loaded=keep_loaded)
+
+    baseline = _settled(run)
+    assert _settled(run) == baseline, "a stage left device memory allocated"
+
+    run(keep_loaded=True)
+    assert torch.cuda.memory_allocated() > baseline, "keep_loaded keeps the model on the device"
+    assert cache.clear() == 1
+    assert torch.cuda.memory_allocated() == baseline
+
+
+def test_failed_sample_returns_device_memory(tiny, reference, cuda):
+    def run():
+        return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda)
+
+    def stop(step, total, latents):
+        raise RuntimeError("stop")
+
+    baseline = _settled(run)
+    with pytest.raises(RuntimeError, match="stop"):
+        sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, on_step=stop)
+    gc.collect()
+    assert torch.cuda.memory_allocated() == baseline
+
+
+def test_cli_demo_on_cuda_writes_snapshot(tmp_path, cuda):
+    env = {**os.environ, "PIXART_LOWVRAM_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pixart_lowvram",
+            "demo",
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--device",
+            "cuda",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "pixart_00001_memory.json").read_text())
+    assert all(isinstance(s["peak_allocated"], int) and s["peak_allocated"] > 0 for s in report["stages"])
+    assert isinstance(report["peak_allocated"], int)
+    assert memory.NO_CUDA not in (out / "pixart_00001_memory.md").read_text()
+    assert (out / "pixart_00001_memory.pickle").stat().st_size > 0
+    assert (out / "pixart_00001.png").is_file()

@@ -1,0 +1,87 @@
+"""core/ never imports ComfyUI, and importing the pack has no side effects (no CUDA initialisation)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+COMFY_MODULES = ("comfy", "comfy_api", "folder_paths", "server", "nodes", "comfy_execution", "execution")
+
+# Runs in a fresh interpreter: ComfyUI's module names are made unimportable before the pack is
+# imported, so an import of any of them anywhere in core fails loudly instead of finding a module.
+PROBE = textwrap.dedent(
+    """
+    import importlib, importlib.abc, json, pkgutil, sys
+
+    BLOCKED = set(json.loads(sys.argv[1]))
+    attempts = []
+
+    class NoComfyUI(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                attempts.append(name)
+                raise ImportError(f"{name} is blocked: core must not need ComfyUI")
+            return None
+
+    sys.meta_path.insert(0, NoComfyUI())
+
+    import torch
+    import pixart_lowvram
+    import pixart_lowvram.core
+
+    imported = ["pixart_lowvram", "pixart_lowvram.core"]
+    for info in pkgutil.walk_packages(pixart_lowvram.core.__path__, "pixart_lowvram.core."):
+        importlib.import_module(info.name)
+        imported.append(info.name)
+
+    print(json.dumps({
+        "imported": imported,
+        "attempts": attempts,
+        "comfy_loaded": sorted(
+            m for m in sys.modules if m.split(".")[0] in BLOCKED
+        ),
+        "cuda_initialized": torch.cuda.is_initialized(),
+    }))
+    """
+)
+
+
+def test_core_imports_without_comfyui(tmp_path: Path) -> None:
+    # cwd outside the repository, so the repository root's own nodes/ is not importable as `nodes`.
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(COMFY_MODULES)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    expected = {
+        f"pixart_lowvram.core.{name}"
+        for name in (
+            "cache",
+            "cli",
+            "devices",
+            "memory",
+            "models",
+            "outputs",
+            "quant",
+            "quant.base",
+            "quant.bitsandbytes",
+            "quant.quanto",
+            "random_model",
+            "sampler",
+            "text_encoder",
+            "vae",
+        )
+    }
+    assert expected <= set(result["imported"]), "every core submodule is imported by the probe"
+    assert result["attempts"] == [], f"core tried to import ComfyUI modules: {result['attempts']}"
+    assert result["comfy_loaded"] == []
+    assert result["cuda_initialized"] is False, "importing the pack must not initialise CUDA"

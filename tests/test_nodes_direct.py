@@ -1,0 +1,233 @@
+"""The nodes called in-process the way ComfyUI's executor calls them (the ``comfyui`` tier): the class
+cloned with its hidden inputs, ``execute`` run inside the prompt's executing context, on the tiny model.
+
+Needs COMFYUI_PATH (a ComfyUI checkout). It is on sys.path only while the module's ``comfy`` fixture is
+active; ComfyUI's modules, once imported, stay in sys.modules as in ComfyUI's own unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pixart_lowvram.core import memory
+from pixart_lowvram.core.cache import cache
+from pixart_lowvram.core.text_encoder import PixArtEmbeds
+
+MODEL = "tiny-pixart"
+SIZE, STEPS = 64, 3
+NODE_IDS = {
+    "PixArtQ_T5Encode",
+    "PixArtQ_Sampler",
+    "PixArtQ_VAEDecode",
+    "PixArtQ_FreeVRAM",
+    "PixArtQ_MemorySnapshot",
+}
+
+
+def checkout_problem() -> str | None:
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        return "set COMFYUI_PATH to a ComfyUI checkout to run the comfyui tier"
+    if not (Path(path) / "main.py").is_file() or not (Path(path) / "comfy").is_dir():
+        return f"COMFYUI_PATH={path!r} is not a ComfyUI checkout (no main.py and comfy/ there)"
+    return None
+
+
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.skipif(checkout_problem() is not None, reason=str(checkout_problem())),
+]
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory, tiny_folder):
+    """ComfyUI importable (CPU only), its diffusers folder holding the tiny model and its output folder
+    a temporary one; the pack's nodes as its entry point lists them. Restores sys.path and the folders."""
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(Path(os.environ["COMFYUI_PATH"]).resolve()))
+    try:
+        # Outside main.py ComfyUI does not parse the command line; its own unit tests set the flag.
+        from comfy.cli_args import args
+
+        saved_cpu, args.cpu = args.cpu, True
+        import comfy.utils
+        import folder_paths
+        from comfy_api.latest import io
+        from comfy_execution.utils import CurrentNodeContext
+
+        import pixart_lowvram
+
+        models = tmp_path_factory.mktemp("comfy_models")
+        (models / MODEL).symlink_to(tiny_folder, target_is_directory=True)
+        output = tmp_path_factory.mktemp("comfy_output")
+        saved_output = folder_paths.get_output_directory()
+        saved_diffusers = folder_paths.folder_names_and_paths["diffusers"]
+        folder_paths.folder_names_and_paths["diffusers"] = ([str(models)], set(saved_diffusers[1]))
+        folder_paths.set_output_directory(str(output))
+        try:
+            extension = asyncio.run(pixart_lowvram.comfy_entrypoint())
+            node_list = asyncio.run(extension.get_node_list())
+            yield SimpleNamespace(
+                io=io,
+                utils=comfy.utils,
+                context=CurrentNodeContext,
+                nodes={node.GET_SCHEMA().node_id: node for node in node_list},
+                output=output,
+            )
+        finally:
+            folder_paths.set_output_directory(saved_output)
+            folder_paths.folder_names_and_paths["diffusers"] = saved_diffusers
+            args.cpu = saved_cpu
+    finally:
+        sys.path[:] = saved_path
+
+
+class Prompt:
+    """One prompt's worth of node calls: hidden inputs and executing context as ComfyUI sets them."""
+
+    def __init__(self, comfy, graph: dict):
+        self.comfy, self.graph, self.id = comfy, graph, f"direct-{uuid.uuid4()}"
+
+    def call(self, node_id: str, **inputs):
+        node = self.comfy.nodes[self.graph[node_id]["class_type"]]
+        from comfy_execution.graph import DynamicPrompt
+
+        hidden = {
+            self.comfy.io.Hidden.dynprompt: DynamicPrompt(self.graph),
+            self.comfy.io.Hidden.unique_id: node_id,
+        }
+        clone = node.PREPARE_CLASS_CLONE({"hidden_inputs": hidden})
+        with self.comfy.context(self.id, node_id):
+            return clone.execute(**inputs)
+
+
+GRAPH = {
+    "1": {"class_type": "PixArtQ_T5Encode", "inputs": {}},
+    "2": {"class_type": "PixArtQ_Sampler", "inputs": {"embeds": ["1", 0]}},
+    "3": {"class_type": "PixArtQ_VAEDecode", "inputs": {"latent": ["2", 0]}},
+    "4": {"class_type": "PixArtQ_MemorySnapshot", "inputs": {"value": ["3", 0], "filename_prefix": "direct"}},
+}
+
+
+def sampler_inputs(embeds, **overrides) -> dict:
+    inputs = {
+        "model": MODEL,
+        "embeds": embeds,
+        "width": SIZE,
+        "height": SIZE,
+        "steps": STEPS,
+        "cfg": 4.5,
+        "seed": 0,
+        "batch_size": 1,
+        "weights": "qint8",
+        "keep_loaded": False,
+    }
+    return {**inputs, **overrides}
+
+
+@pytest.fixture(scope="module")
+def chain(comfy):
+    """T5 encode -> sampler -> decode through the nodes in one prompt, with ComfyUI's progress hook
+    recording the sampler's steps."""
+    prompt = Prompt(comfy, GRAPH)
+    steps = []
+
+    def hook(value, total, preview, node_id=None):
+        steps.append((value, total))
+
+    saved_hook = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(hook)
+    try:
+        embeds = prompt.call(
+            "1",
+            model=MODEL,
+            prompt="a photo of a red cat",
+            negative_prompt="",
+            quantization="nf4",
+            keep_loaded=False,
+        ).result[0]
+        latent = prompt.call("2", **sampler_inputs(embeds)).result[0]
+    finally:
+        comfy.utils.set_progress_bar_global_hook(saved_hook)
+    images = prompt.call("3", model=MODEL, latent=latent, keep_loaded=False).result[0]
+    return SimpleNamespace(prompt=prompt, embeds=embeds, latent=latent, images=images, steps=steps)
+
+
+def test_entry_point_lists_the_five_nodes(comfy):
+    assert set(comfy.nodes) == NODE_IDS
+    assert len({node.GET_SCHEMA().category for node in comfy.nodes.values()}) == 1
+
+
+def test_model_list_shows_the_diffusers_folder(comfy):
+    schema = comfy.nodes["PixArtQ_Sampler"].GET_SCHEMA()
+    (model,) = [i for i in schema.inputs if i.id == "model"]
+    assert MODEL in model.options
+
+
+def test_chain_outputs(chain):
+    assert isinstance(chain.embeds, PixArtEmbeds)
+    assert chain.embeds.prompt_embeds.device.type == "cpu"
+    samples = chain.latent["samples"]
+    assert list(chain.latent) == ["samples"]
+    assert samples.dtype == torch.float32 and samples.device.type == "cpu"
+    assert samples.shape == (1, 4, SIZE // 8, SIZE // 8)
+    images = chain.images
+    assert images.dtype == torch.float32 and images.device.type == "cpu"
+    assert images.shape == (1, SIZE, SIZE, 3)
+    assert images.min() >= 0.0 and images.max() <= 1.0
+
+
+def test_sampler_drives_comfyui_progress_bar(chain):
+    assert chain.steps == [(step, STEPS) for step in range(1, STEPS + 1)]
+
+
+def test_memory_report_collects_the_prompt_stages(chain):
+    stages = memory.reports.get(chain.prompt.id).stages
+    assert [stage.stage for stage in stages] == ["t5_encode", "sample", "vae_decode"]
+    assert all(stage.device == "cpu" and stage.error is None for stage in stages)
+
+
+def test_memory_snapshot_writes_its_record_to_the_output_folder(comfy, chain):
+    out = chain.prompt.call("4", value=chain.images, filename_prefix="direct")
+    assert out.result[0] is chain.images
+    (text,) = out.ui.as_dict()["text"]
+    assert "no CUDA" in text and "vae_decode" in text
+    record = comfy.output / "direct_00001.json"
+    assert (comfy.output / "direct_00001.md").is_file()
+    assert record.name in text
+    stages = [stage["stage"] for stage in json.loads(record.read_text())["stages"]]
+    assert stages == ["t5_encode", "sample", "vae_decode"]
+
+
+def test_memory_snapshot_refuses_a_prefix_outside_the_output_folder(comfy, chain):
+    with pytest.raises(ValueError, match=r"filename_prefix '\.\./evil' is not allowed"):
+        chain.prompt.call("4", value=chain.images, filename_prefix="../evil")
+    assert not list(comfy.output.parent.glob("evil*"))
+
+
+def test_free_vram_passes_its_input_through(comfy):
+    value = object()
+    out = Prompt(comfy, {"9": {"class_type": "PixArtQ_FreeVRAM", "inputs": {}}}).call("9", value=value)
+    assert out.result[0] is value
+    (text,) = out.ui.as_dict()["text"]
+    assert text.startswith("dropped 0 kept model(s)")
+    assert ("no CUDA" in text) is not torch.cuda.is_available()
+
+
+def test_free_vram_drops_a_kept_sampler_model(comfy, chain):
+    prompt = Prompt(comfy, GRAPH)
+    prompt.call("2", **sampler_inputs(chain.embeds, keep_loaded=True))
+    assert len(cache) == 1
+    out = Prompt(comfy, {"9": {"class_type": "PixArtQ_FreeVRAM", "inputs": {}}}).call("9", value=chain.latent)
+    assert out.result[0] is chain.latent
+    assert out.ui.as_dict()["text"][0].startswith("dropped 1 kept model(s)")
+    assert len(cache) == 0
