@@ -36,6 +36,11 @@ def free_memory() -> None:
     """Collect garbage and hand cached CUDA blocks back to the driver."""
     gc.collect()
     if torch.cuda.is_available():
+        # cuBLAS keeps a 32 MiB workspace from the caching allocator for the life of the process; left
+        # alone it pins the segment it sits in (transformers' loading warm-up makes that a 4 GB one).
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 
