@@ -18,100 +18,65 @@ from .models import MODEL_INDEX
 
 logger = logging.getLogger(__name__)
 
-PRESETS: dict[str, dict[str, dict]] = {
+# What every PixArt-Σ has; the presets below differ only in sizes.
+ARCHITECTURE: dict[str, dict] = {
+    "text_encoder": dict(feed_forward_proj="gated-gelu"),  # T5 v1.1
+    "transformer": dict(
+        in_channels=4,
+        out_channels=8,  # learned sigma
+        patch_size=2,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+        num_embeds_ada_norm=1000,
+        activation_fn="gelu-approximate",
+        attention_bias=True,
+        use_additional_conditions=False,
+    ),
+    "vae": dict(  # SDXL VAE layout: four blocks, 8x downsampling
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=32,
+        scaling_factor=0.13025,
+    ),
+}
+
+SIZES: dict[str, dict[str, dict]] = {
+    # Widths are multiples of 64: bitsandbytes' packed 4-bit CPU path needs that.
     "tiny": {
-        # Widths are multiples of 64: bitsandbytes' packed 4-bit CPU path needs that.
         "text_encoder": dict(
-            d_model=64,
-            d_kv=32,
-            d_ff=128,
-            num_layers=2,
-            num_heads=2,
-            feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=32,
+            d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32,
         ),
         "transformer": dict(
-            sample_size=8,
-            num_layers=2,
-            attention_head_dim=32,
-            num_attention_heads=2,
-            caption_channels=64,
-            cross_attention_dim=64,
-            in_channels=4,
-            out_channels=8,
-            patch_size=2,
-            norm_type="ada_norm_single",
-            norm_elementwise_affine=False,
-            norm_eps=1e-6,
-            num_embeds_ada_norm=1000,
-            activation_fn="gelu-approximate",
-            attention_bias=True,
-            use_additional_conditions=False,
-            interpolation_scale=1,
+            sample_size=8, num_layers=2, attention_head_dim=32, num_attention_heads=2,
+            caption_channels=64, cross_attention_dim=64, interpolation_scale=1,
         ),
-        # Four blocks give the real 8x downsampling with few channels.
-        "vae": dict(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            block_out_channels=(32, 32, 32, 32),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1,
-            norm_num_groups=32,
-            sample_size=64,
-            scaling_factor=0.13025,
-        ),
+        "vae": dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1, sample_size=64),
     },
+    # The published PixArt-alpha/PixArt-Sigma-XL-2-1024-MS: google/t5-v1_1-xxl encoder, XL-2
+    # transformer, SDXL VAE.
     "full": {
-        # google/t5-v1_1-xxl encoder
         "text_encoder": dict(
-            d_model=4096,
-            d_kv=64,
-            d_ff=10240,
-            num_layers=24,
-            num_heads=64,
-            feed_forward_proj="gated-gelu",
-            relative_attention_num_buckets=32,
-            relative_attention_max_distance=128,
-            vocab_size=32128,
+            d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+            relative_attention_num_buckets=32, relative_attention_max_distance=128, vocab_size=32128,
         ),
-        # PixArt-alpha/PixArt-Sigma-XL-2-1024-MS transformer
         "transformer": dict(
-            sample_size=128,
-            num_layers=28,
-            attention_head_dim=72,
-            num_attention_heads=16,
-            caption_channels=4096,
-            cross_attention_dim=1152,
-            in_channels=4,
-            out_channels=8,
-            patch_size=2,
-            norm_type="ada_norm_single",
-            norm_elementwise_affine=False,
-            norm_eps=1e-6,
-            num_embeds_ada_norm=1000,
-            activation_fn="gelu-approximate",
-            attention_bias=True,
-            use_additional_conditions=False,
-            interpolation_scale=2,
+            sample_size=128, num_layers=28, attention_head_dim=72, num_attention_heads=16,
+            caption_channels=4096, cross_attention_dim=1152, interpolation_scale=2,
         ),
-        # SDXL VAE
         "vae": dict(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=4,
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=2,
-            norm_num_groups=32,
-            sample_size=1024,
-            scaling_factor=0.13025,
-            force_upcast=True,
+            block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024, force_upcast=True
         ),
     },
+}  # fmt: skip
+
+PRESETS: dict[str, dict[str, dict]] = {
+    preset: {part: ARCHITECTURE[part] | sizes[part] for part in ARCHITECTURE}
+    for preset, sizes in SIZES.items()
 }
 
 SCHEDULER = dict(

@@ -7,6 +7,17 @@ from ..core.quant import TRANSFORMER_SCHEMES
 from . import common
 
 
+def _size_input(name: str) -> io.Int.Input:
+    return io.Int.Input(
+        name,
+        default=1024,
+        min=sampler.MIN_SIZE,
+        max=sampler.MAX_SIZE,
+        step=sampler.SIZE_MULTIPLE,
+        tooltip=f"Image {name} in pixels, a multiple of {sampler.SIZE_MULTIPLE}.",
+    )
+
+
 class QuantoPixArtSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -20,22 +31,7 @@ class QuantoPixArtSampler(io.ComfyNode):
             inputs=[
                 common.model_input(),
                 common.PixArtEmbeds.Input("embeds", tooltip="From Quantized T5 Encode (same model family)."),
-                io.Int.Input(
-                    "width",
-                    default=1024,
-                    min=sampler.MIN_SIZE,
-                    max=sampler.MAX_SIZE,
-                    step=sampler.SIZE_MULTIPLE,
-                    tooltip="Image width in pixels, a multiple of 16.",
-                ),
-                io.Int.Input(
-                    "height",
-                    default=1024,
-                    min=sampler.MIN_SIZE,
-                    max=sampler.MAX_SIZE,
-                    step=sampler.SIZE_MULTIPLE,
-                    tooltip="Image height in pixels, a multiple of 16.",
-                ),
+                *(_size_input(name) for name in ("width", "height")),
                 io.Int.Input(
                     "steps",
                     default=20,

@@ -103,3 +103,22 @@ def load_spy(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
 
         monkeypatch.setattr(module, "_load", wrapper)
     return spy
+
+
+def comfyui_checkout_problem() -> str | None:
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        return "set COMFYUI_PATH to a ComfyUI checkout to run the comfyui tier"
+    if not (Path(path) / "main.py").is_file() or not (Path(path) / "comfy").is_dir():
+        return f"COMFYUI_PATH={path!r} is not a ComfyUI checkout (no main.py and comfy/ there)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The comfyui tier needs a ComfyUI checkout named by COMFYUI_PATH; without one it is skipped."""
+    problem = comfyui_checkout_problem()
+    if problem is not None:
+        skip = pytest.mark.skip(reason=problem)
+        for item in items:
+            if "comfyui" in item.keywords:
+                item.add_marker(skip)
