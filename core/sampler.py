@@ -120,13 +120,15 @@ def sample(
         dtype=torch.float32,
     )
     with memory.stage("sample", device, report):
-        return (
-            _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded, on_step).float()
-            / scale
-        ).cpu()
+        latents = _sample(
+            source, embeds, noise, batch_size, steps, cfg, quant, dtype, device, keep_loaded, on_step
+        )
+    return latents / scale
 
 
-def _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded, on_step) -> torch.Tensor:
+def _sample(
+    source, embeds, noise, batch_size, steps, cfg, quant, dtype, device, keep_loaded, on_step
+) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
@@ -144,7 +146,7 @@ def _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded
             if on_step is not None:
                 on_step(step + 1, steps, latents)
 
-        return pipe(
+        latents = pipe(
             negative_prompt=None,
             prompt_embeds=embeds.prompt_embeds.to(device, dtype),
             prompt_attention_mask=embeds.prompt_mask.to(device),
@@ -155,9 +157,10 @@ def _sample(source, embeds, noise, steps, cfg, quant, dtype, device, keep_loaded
             height=noise.shape[-2] * 8,
             num_inference_steps=steps,
             guidance_scale=cfg,
-            num_images_per_prompt=noise.shape[0] // embeds.batch,
+            num_images_per_prompt=batch_size,
             output_type="latent",
             use_resolution_binning=False,
             callback=callback,
             return_dict=False,
         )[0]
+    return latents.float().cpu()
