@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -39,11 +40,47 @@ class PixArtEmbeds:
         return self.prompt_embeds.shape[0]
 
 
+@functools.cache
+def _t5_quantizing_every_linear() -> type:
+    """T5EncoderModel whose FFN output projections (``wo``, 1.0 B of T5-XXL's 4.8 B parameters) are
+    quantized like every other linear layer.
+
+    transformers exempts ``wo`` through ``_keep_in_fp32_modules``, collected from the sub-models in
+    ``post_init``; this clears it there, per instance. T5's feed-forward also casts its activations
+    to ``wo.weight.dtype`` — uint8 for a packed 4-bit layer, which would wreck them — so the
+    feed-forward blocks become a subclass without that cast (the quantized layer casts its input to
+    its compute dtype itself).
+    """
+    from transformers import T5EncoderModel
+    from transformers.models.t5.modeling_t5 import T5DenseActDense, T5DenseGatedActDense
+
+    class GatedFeedForward(T5DenseGatedActDense):
+        def forward(self, hidden_states):
+            hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+            return self.wo(self.dropout(hidden_states))
+
+    class FeedForward(T5DenseActDense):
+        def forward(self, hidden_states):
+            return self.wo(self.dropout(self.act(self.wi(hidden_states))))
+
+    replacements = {T5DenseGatedActDense: GatedFeedForward, T5DenseActDense: FeedForward}
+
+    class T5EncoderQuantizedWo(T5EncoderModel):
+        def post_init(self):
+            super().post_init()
+            self._keep_in_fp32_modules = set()
+            for module in self.modules():
+                module.__class__ = replacements.get(type(module), type(module))
+
+    return T5EncoderQuantizedWo
+
+
 def _load(source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device):
     from transformers import T5EncoderModel
 
     folder = source.folder(["text_encoder"])
-    model = T5EncoderModel.from_pretrained(
+    model_class = T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
+    model = model_class.from_pretrained(
         folder,
         subfolder="text_encoder",
         dtype=dtype,

@@ -29,8 +29,9 @@ class QuantizedT5Encode(io.ComfyNode):
                     "quantization",
                     options=list(TEXT_ENCODER_SCHEMES),
                     default=TEXT_ENCODER_SCHEMES[0],
-                    tooltip="nf4: bitsandbytes 4-bit NormalFloat, double quant, bf16 compute (smallest). fp4: 4-bit "
-                    "float. int8: bitsandbytes 8-bit. none: bf16 weights (largest).",
+                    tooltip="nf4: bitsandbytes 4-bit NormalFloat, double quant, bf16 compute, every linear layer "
+                    "(smallest). nf4-recipe: the notebook recipe's nf4, T5's wo projections left in bf16 (+1.5 GB). "
+                    "fp4: 4-bit float. int8: bitsandbytes 8-bit, wo left in bf16. none: bf16 weights (largest).",
                 ),
                 common.keep_loaded_input(),
             ],

@@ -14,7 +14,7 @@ from .quanto import QuantoBackend
 BACKENDS: dict[str, QuantBackend] = {b.name: b for b in (NoQuant(), BitsAndBytesBackend(), QuantoBackend())}
 
 # What each stage offers, in the order the nodes list them (the first is the default).
-TEXT_ENCODER_SCHEMES = ("nf4", "fp4", "int8", "none")
+TEXT_ENCODER_SCHEMES = ("nf4", "nf4-recipe", "fp4", "int8", "none")
 TRANSFORMER_SCHEMES = ("qint8", "qfloat8", "none")
 
 
@@ -54,6 +54,9 @@ class Quantization:
 
     def after_load(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.backend.after_load(model, self.scheme)
+
+    def keeps_fp32_modules(self) -> bool:
+        return self.backend.keeps_fp32_modules(self.scheme)
 
     def describe(self) -> str:
         return self.backend.describe(self.scheme)

@@ -48,6 +48,11 @@ class QuantBackend(ABC):
     def after_load(self, model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         return model
 
+    def keeps_fp32_modules(self, scheme: str) -> bool:
+        """Whether the layers a model marks ``_keep_in_fp32_modules`` stay unquantized (transformers'
+        default, which guards against fp16 overflow)."""
+        return True
+
     @abstractmethod
     def describe(self, scheme: str) -> str:
         """A short label for reports and embeddings metadata."""

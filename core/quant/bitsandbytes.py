@@ -14,9 +14,10 @@ class BitsAndBytesBackend(QuantBackend):
     package = "bitsandbytes"
     module = "bitsandbytes"
     schemes = {
-        "nf4": "4-bit NormalFloat, double quantization",
-        "fp4": "4-bit float, double quantization",
-        "int8": "8-bit LLM.int8()",
+        "nf4": "4-bit NormalFloat, double quantization, every linear layer",
+        "nf4-recipe": "as nf4, but T5's wo projections stay unquantized (the notebook recipe)",
+        "fp4": "4-bit float, double quantization, every linear layer",
+        "int8": "8-bit LLM.int8(); wo stays unquantized",
     }
     # bitsandbytes has native kernels for these; on the CPU its packed 4-bit path needs layer widths
     # divisible by 64, which every published T5 has.
@@ -30,11 +31,16 @@ class BitsAndBytesBackend(QuantBackend):
         else:
             config = BitsAndBytesConfig(
                 load_in_4bit=True,
-                bnb_4bit_quant_type=scheme,
+                bnb_4bit_quant_type=scheme.removesuffix("-recipe"),
                 bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=compute_dtype,
             )
         return {"quantization_config": config}
+
+    def keeps_fp32_modules(self, scheme: str) -> bool:
+        # 4-bit layers compute in the stage's dtype (bf16 has fp32's range), so nothing needs guarding;
+        # LLM.int8() casts activations to fp16, where T5's wo can overflow.
+        return scheme in ("nf4-recipe", "int8")
 
     def describe(self, scheme: str) -> str:
         return f"bitsandbytes {scheme}"
