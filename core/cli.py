@@ -44,6 +44,12 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
         "--quant", choices=TRANSFORMER_SCHEMES, default=TRANSFORMER_SCHEMES[0], help="transformer weights"
     )
     p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
+    p.add_argument(
+        "--tiling",
+        choices=vae.TILING,
+        default="auto",
+        help="VAE decode in tiles (auto: when short of memory)",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present)")
     p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
     p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
@@ -111,7 +117,9 @@ def run(args: argparse.Namespace, model: str) -> dict:
             on_step=lambda step, total, _latents: bar.update(step - bar.n),
             report=report,
         )
-    images = vae.decode(source, latents, device=device, dtype=args.precision, report=report)
+    images = vae.decode(
+        source, latents, device=device, dtype=args.precision, tiling=args.tiling, report=report
+    )
     seconds = time.perf_counter() - start
 
     stem = outputs.next_stem(args.out, args.prefix)

@@ -1,0 +1,55 @@
+"""Tiled VAE decode: engages at the sizes asked for, stays close to the untiled decode, and is
+chosen automatically only when memory is short."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pixart_lowvram.core import vae
+
+
+@pytest.fixture(scope="module")
+def latents() -> torch.Tensor:
+    # 128 px: nine overlapping 64-px tiles; raw VAE space like a sampler's LATENT.
+    return torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(3)) * 4
+
+
+def test_tiled_decode_is_close_to_untiled(tiny, latents):
+    """Tiles are decoded separately and blended over a quarter of their size. With the tiny random VAE
+    the mean abs difference measured 0.059 for 64-px tiles of a 128-px image (images 0..1): GroupNorm
+    sees each tile's statistics. Bound: 0.08."""
+    whole = vae.decode(tiny, latents, device="cpu", tiling="off")
+    tiled = vae.decode(tiny, latents, device="cpu", tiling="on", tile_size=64)
+    assert tiled.shape == whole.shape == (1, 128, 128, 3)
+    assert torch.isfinite(tiled).all()
+    difference = (tiled - whole).abs().mean()
+    assert 0 < difference <= 0.08, float(difference)  # > 0: tiling really engaged
+
+
+def test_a_tile_as_big_as_the_image_changes_nothing(tiny, latents):
+    whole = vae.decode(tiny, latents, device="cpu", tiling="off")
+    assert torch.equal(vae.decode(tiny, latents, device="cpu", tiling="on", tile_size=128), whole)
+
+
+def test_auto_tiles_only_on_cuda_when_short(latents):
+    cpu = torch.device("cpu")
+    assert vae.use_tiles("on", latents, torch.float32, cpu)
+    assert not vae.use_tiles("off", latents, torch.float32, cpu)
+    assert not vae.use_tiles("auto", latents, torch.float32, cpu)  # host memory is not the GPU's problem
+
+
+def test_untiled_estimate_matches_the_measured_1024_decode():
+    # Measured on an H200: 2.4 GiB of activations for a bf16 decode at 1024².
+    estimate = vae.untiled_bytes(torch.empty(1, 4, 128, 128), torch.bfloat16)
+    assert 2.4 * 2**30 <= estimate <= 2.8 * 2**30
+
+
+@pytest.mark.parametrize(
+    "bad", [("tiling", "sometimes"), ("tile_size", 32), ("tile_size", 100), ("tile_size", True)]
+)
+def test_bad_tiling_settings_are_refused_before_loading(tiny, latents, load_spy, bad):
+    name, value = bad
+    with pytest.raises(ValueError, match=name):
+        vae.decode(tiny, latents, device="cpu", **{name: value})
+    assert load_spy.count("vae") == 0
