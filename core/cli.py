@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import memory, outputs, random_model, sampler, text_encoder, vae
+from . import memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
 from .devices import PRECISIONS, as_device
 from .models import HUB_IDS, resolve_model
 from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES, Quantization
@@ -54,6 +54,13 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
     p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
     p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
     p.add_argument("--no-snapshot", action="store_true", help="do not record the CUDA allocator history")
+    p.add_argument(
+        "--quant-cache",
+        type=Path,
+        default=None,
+        help=f"folder for pre-quantized weights (default: ${quant_cache.ENV} or {quant_cache.default_dir()})",
+    )
+    p.add_argument("--no-quant-cache", action="store_true", help="quantize on every load, save nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the random model is cached (default: $PIXART_LOWVRAM_HOME/random-PRESET)",
     )
     _add_run_args(demo, size=None)
+    cache_cmd = sub.add_parser("cache", help="show (or clear) the pre-quantized weight cache")
+    cache_cmd.add_argument("--dir", type=Path, default=None, help="the cache folder (default: as for demo)")
+    cache_cmd.add_argument("--clear", action="store_true", help="delete every entry")
     gen = sub.add_parser("generate", help="generate with real weights")
     gen.add_argument(
         "--model", required=True, help=f"a diffusers PixArt-Σ folder or a hub id, e.g. {HUB_IDS[0]}"
@@ -98,8 +108,15 @@ def run(args: argparse.Namespace, model: str) -> dict:
     report = memory.MemoryReport()
     recording = not args.no_snapshot and device.type == "cuda" and memory.history.ensure("cli")
     start = time.perf_counter()
+    cache_dir = None if args.no_quant_cache else args.quant_cache or quant_cache.default_dir()
     embeds = text_encoder.encode(
-        source, args.prompt, args.negative, quantization=args.t5_quant, device=device, report=report
+        source,
+        args.prompt,
+        args.negative,
+        quantization=args.t5_quant,
+        device=device,
+        quant_cache_dir=cache_dir,
+        report=report,
     )
     with tqdm(total=args.steps, desc="sampling", unit="step") as bar:
         latents = sampler.sample(
@@ -134,13 +151,25 @@ def run(args: argparse.Namespace, model: str) -> dict:
     return {"images": images, "report": report, "files": written, "seconds": seconds}
 
 
+def show_cache(folder: Path, clear: bool) -> None:
+    entries = quant_cache.entries(folder)
+    print(f"pre-quantized weight cache: {folder} ({len(entries)} entries)")
+    for entry in entries:
+        size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+        print(f"  {entry.name}  {memory.format_bytes(size)}")
+    if clear:
+        print(f"cleared {memory.format_bytes(quant_cache.clear(folder))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
     try:
-        if args.command == "demo":
+        if args.command == "cache":
+            show_cache(args.dir or quant_cache.default_dir(), args.clear)
+        elif args.command == "demo":
             folder = args.model_dir or default_home() / f"random-{args.preset}"
             device = as_device(args.device)
             if not (folder / "model_index.json").is_file():

@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from . import memory
+from . import memory, quant_cache
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource
@@ -75,21 +76,30 @@ def _t5_quantizing_every_linear() -> type:
     return T5EncoderQuantizedWo
 
 
-def _load(source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device):
+def _load(
+    source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device, cache_dir: Path | None
+):
     from transformers import T5EncoderModel
 
     folder = source.folder(["text_encoder"])
     model_class = T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
-    model = model_class.from_pretrained(
-        folder,
-        subfolder="text_encoder",
-        dtype=dtype,
-        device_map={"": str(device)},
-        **quant.load_kwargs(dtype),
+
+    def from_pretrained(path: Path, **kwargs):
+        model = model_class.from_pretrained(path, dtype=dtype, device_map={"": str(device)}, **kwargs)
+        return model.eval()
+
+    def quantize():
+        return quant.after_load(from_pretrained(folder, subfolder="text_encoder", **quant.load_kwargs(dtype)))
+
+    if cache_dir is None or not quant.enabled:
+        return quantize()
+    settings = {"scheme": quant.scheme, "dtype": dtype, "class": model_class.__name__}
+    return quant_cache.load_or_build(
+        quant_cache.entry(cache_dir, "text_encoder", folder / "text_encoder", settings),
+        load=from_pretrained,  # the saved config carries the quantization
+        build=quantize,
+        save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
     )
-    model = quant.after_load(model)
-    model.eval()
-    return model
 
 
 def _load_tokenizer(source: ModelSource):
@@ -106,10 +116,14 @@ def encode(
     device: torch.device | str | None = None,
     dtype: str | torch.dtype | None = None,
     keep_loaded: bool = False,
+    quant_cache_dir: Path | None = None,
     report: memory.MemoryReport | None = None,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
-    unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string)."""
+    unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
+
+    With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
+    (see :mod:`quant_cache`)."""
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if not isinstance(text, str):
             raise TypeError(f"{name} must be text, got {type(text).__name__}.")
@@ -118,16 +132,16 @@ def encode(
     # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16)
     with memory.stage("t5_encode", device, report):
-        return _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded)
+        return _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded, quant_cache_dir)
 
 
-def _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded) -> PixArtEmbeds:
+def _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded, cache_dir) -> PixArtEmbeds:
     # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
     from diffusers import PixArtSigmaPipeline
 
     key = ("text_encoder", source.key, quant.scheme, dtype, str(device))
     tokenizer = _load_tokenizer(source)
-    with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as text_encoder:
+    with cache.use(key, lambda: _load(source, quant, dtype, device, cache_dir), keep_loaded) as text_encoder:
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import comfy.model_management
 import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
-from ..core import memory
+from ..core import memory, quant_cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
 
 CATEGORY = "PixArt-Σ low VRAM"
@@ -37,6 +40,13 @@ def keep_loaded_input() -> io.Boolean.Input:
         default=False,
         tooltip="Keep the model in memory for the next prompt instead of unloading it when done. "
         "Free VRAM releases it.",
+    )
+
+
+def quant_cache_dir() -> Path:
+    """Pre-quantized weights: ``$PIXART_LOWVRAM_QUANT_CACHE``, else ``models/pixart_lowvram/quantized``."""
+    return Path(
+        os.environ.get(quant_cache.ENV) or Path(folder_paths.models_dir) / "pixart_lowvram" / "quantized"
     )
 
 

@@ -54,6 +54,7 @@ class QuantizedT5Encode(io.ComfyNode):
             quantization=quantization,
             device=common.device(),
             keep_loaded=keep_loaded,
+            quant_cache_dir=common.quant_cache_dir(),
             report=report,
         )
         return io.NodeOutput(embeds)

@@ -14,7 +14,9 @@ CPU = torch.device("cpu")
 
 
 def load(tiny, scheme: str):
-    return text_encoder._load(tiny, Quantization(scheme, CPU, TEXT_ENCODER_SCHEMES), torch.bfloat16, CPU)
+    return text_encoder._load(
+        tiny, Quantization(scheme, CPU, TEXT_ENCODER_SCHEMES), torch.bfloat16, CPU, None
+    )
 
 
 def feed_forwards(model):
