@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -21,17 +22,18 @@ from pathlib import Path
 import torch
 
 CONFIGS = {
-    # name: (T5 quantization, transformer weights, VAE tiling)
-    "reference (T5 bf16, fp16)": ("none", "none", "off"),
-    "recipe (T5 nf4, wo bf16, qint8)": ("nf4-recipe", "qint8", "off"),
-    "pack default (T5 nf4 whole, qint8, tiling auto)": ("nf4", "qint8", "auto"),
-    "pack, tiled decode": ("nf4", "qint8", "on"),
+    # name: (T5 quantization, transformer weights, VAE tiling, pre-quantized cache)
+    "reference (T5 bf16, fp16)": ("none", "none", "off", "off"),
+    "recipe (T5 nf4, wo bf16, qint8)": ("nf4-recipe", "qint8", "off", "off"),
+    "pack default, cache cold (T5 nf4 whole, qint8, tiling auto)": ("nf4", "qint8", "auto", "on"),
+    "pack default, cache warm": ("nf4", "qint8", "auto", "on"),
+    "pack, tiled decode": ("nf4", "qint8", "on", "on"),
 }
 SETTINGS = dict(width=1024, height=1024, steps=20, cfg=4.5, seed=0)
 PROMPT = "a photo of a red cat sitting in a sunlit garden, detailed fur"
 
 
-def run_one(model_dir: str, t5: str, weights: str, tiling: str, out: Path) -> None:
+def run_one(model_dir: str, t5: str, weights: str, tiling: str, cache: str, out: Path) -> None:
     """One configuration, in this (fresh) process: the three stages, figures and tensors to ``out``."""
     import diffusers  # noqa: F401  (imported before the clock starts: ComfyUI has it loaded already)
     import transformers  # noqa: F401
@@ -41,7 +43,10 @@ def run_one(model_dir: str, t5: str, weights: str, tiling: str, out: Path) -> No
     source = models.resolve_model(model_dir)
     report = memory.MemoryReport()
     start = time.perf_counter()
-    embeds = text_encoder.encode(source, PROMPT, "", quantization=t5, device="cuda", report=report)
+    cache_dir = out.parent / "quant_cache" if cache == "on" else None
+    embeds = text_encoder.encode(
+        source, PROMPT, "", quantization=t5, device="cuda", quant_cache_dir=cache_dir, report=report
+    )
     latents = sampler.sample(source, embeds, quantization=weights, device="cuda", report=report, **SETTINGS)
     images = vae.decode(source, latents, device="cuda", tiling=tiling, report=report)
     seconds = time.perf_counter() - start
@@ -59,10 +64,12 @@ def main() -> int:
     )
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--one", nargs=4, metavar=("T5", "WEIGHTS", "TILING", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one", nargs=5, metavar=("T5", "WEIGHTS", "TILING", "CACHE", "OUT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.one:
-        run_one(str(args.model_dir), *args.one[:3], Path(args.one[3]))
+        run_one(str(args.model_dir), *args.one[:4], Path(args.one[4]))
         return 0
 
     from pixart_lowvram.core.random_model import ensure_random_pixart
@@ -70,26 +77,15 @@ def main() -> int:
     ensure_random_pixart(args.model_dir, "full", device="cuda", dtype=torch.bfloat16)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for i, (name, (t5, weights, tiling)) in enumerate(CONFIGS.items()):
+    shutil.rmtree(args.out / "quant_cache", ignore_errors=True)  # the first cached config starts cold
+    for i, (name, (t5, weights, tiling, cache)) in enumerate(CONFIGS.items()):
         stem = args.out / f"config{i}"
-        cmd = [
-            sys.executable,
-            __file__,
-            "--model-dir",
-            str(args.model_dir),
-            "--one",
-            t5,
-            weights,
-            tiling,
-            str(stem),
-        ]
-        subprocess.run(cmd, check=True)
-        results[name] = {
-            "t5": t5,
-            "weights": weights,
-            "tiling": tiling,
-            **json.loads(stem.with_suffix(".json").read_text()),
-        }
+        one = [t5, weights, tiling, cache, str(stem)]
+        subprocess.run(
+            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", *one], check=True
+        )
+        settings = {"t5": t5, "weights": weights, "tiling": tiling, "quant_cache": cache}
+        results[name] = {**settings, **json.loads(stem.with_suffix(".json").read_text())}
         results[name]["tensors"] = torch.load(stem.with_suffix(".pt"))
     ref = next(iter(results.values()))["tensors"]
     for r in results.values():
@@ -111,8 +107,9 @@ def main() -> int:
     lines = [
         f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, 1024², 20 steps, cfg 4.5; GiB = 2^30 bytes.",
         "",
-        "| configuration | T5 peak | sampler peak | VAE peak | whole peak | seconds | embeds cos | latents cos |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | T5 peak | sampler peak | VAE peak | whole peak | T5 s | sampler s | VAE s | total s "
+        "| embeds cos | latents cos |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results.items():
         peaks = [s["peak_allocated"] / gib for s in r["stages"]]
