@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,6 +29,23 @@ LATENT_CHANNELS = 4
 # step index (1-based), total steps, current latents (model space)
 StepCallback = Callable[[int, int, torch.Tensor], None]
 
+# name -> (diffusers scheduler class, settings over the model's own scheduler config)
+_SCHEDULERS: dict[str, tuple[str, dict]] = {
+    "dpmsolver++": ("DPMSolverMultistepScheduler", {}),
+    "dpmsolver++_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+    "dpmsolver++_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_ancestral": ("EulerAncestralDiscreteScheduler", {}),
+    # DDIM's default clips the predicted sample to [-1, 1], which suits pixels, not these latents.
+    "ddim": ("DDIMScheduler", {"clip_sample": False}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    "deis": ("DEISMultistepScheduler", {}),
+}
+SCHEDULERS: tuple[str, ...] = tuple(_SCHEDULERS)
+DEFAULT_SCHEDULER = "dpmsolver++"  # what PixArt-Σ ships: the model folder's scheduler config as it is
+
+CUSTOM_RESOLUTION = "custom"
+
 
 def check_size(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
@@ -48,13 +67,117 @@ def _check_number(name: str, value: object, low: float, high: float, whole: bool
         raise ValueError(f"{name} {value} is out of range; use {low}..{high}{hint}.")
 
 
-def check_settings(width: int, height: int, steps: int, cfg: float, seed: int, batch_size: int) -> None:
+def check_settings(
+    width: int,
+    height: int,
+    steps: int,
+    cfg: float,
+    seed: int,
+    batch_size: int,
+    scheduler: str = DEFAULT_SCHEDULER,
+) -> None:
     check_size("width", width)
     check_size("height", height)
     _check_number("steps", steps, 1, MAX_STEPS, whole=True)
     _check_number("cfg", cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
     _check_number("seed", seed, 0, MAX_SEED, whole=True)
     _check_number("batch_size", batch_size, 1, MAX_BATCH, whole=True)
+    if not isinstance(scheduler, str) or scheduler not in _SCHEDULERS:
+        raise ValueError(f"scheduler {scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
+
+
+def check_denoise(denoise: float, has_latent: bool) -> None:
+    _check_number(
+        "denoise",
+        denoise,
+        0.0,
+        1.0,
+        whole=False,
+        hint=" (1 starts from noise, 0 returns the latent as it is)",
+    )
+    if denoise < 1 and not has_latent:
+        raise ValueError(
+            f"denoise {denoise} needs a latent to start from; connect a LATENT (e.g. VAE Encode with the SDXL "
+            f"VAE) or set denoise to 1."
+        )
+
+
+def check_init_latents(latents: object) -> torch.Tensor:
+    """ComfyUI LATENT samples to start from, as float32 on the CPU."""
+    if not isinstance(latents, torch.Tensor):
+        raise TypeError(f"latent must hold a tensor under 'samples', got {type(latents).__name__}.")
+    if latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
+        raise ValueError(
+            f"latent has shape {tuple(latents.shape)}; PixArt-Σ samples from [batch, {LATENT_CHANNELS}, "
+            f"height/8, width/8] (the SDXL VAE's latents). Make it with Empty Latent Image or VAE Encode with "
+            f"the SDXL VAE (sdxl_vae.safetensors)."
+        )
+    check_size("latent width", latents.shape[3] * 8)
+    check_size("latent height", latents.shape[2] * 8)
+    return latents.detach().to("cpu", torch.float32)
+
+
+def _init_batch(latents: torch.Tensor, prompts: int, batch_size: int) -> torch.Tensor:
+    """One latent is repeated for every image; a batch of them gives one image each."""
+    count = latents.shape[0]
+    if count == 1:
+        return latents.repeat(prompts * batch_size, 1, 1, 1)
+    if count % prompts or batch_size not in (1, count // prompts):
+        raise ValueError(
+            f"latent holds a batch of {count} and batch_size is {batch_size}; a batch of latents gives one "
+            f"image each: set batch_size to 1, or use a latent batch of 1 to repeat it batch_size times."
+        )
+    return latents
+
+
+def steps_to_run(steps: int, denoise: float) -> int:
+    """How many of the ``steps`` steps a ``denoise`` runs: the last ``steps × denoise``, rounded half up,
+    and at least one while denoise is above 0."""
+    if denoise >= 1:
+        return steps
+    if denoise <= 0:
+        return 0
+    return max(1, math.floor(steps * denoise + 0.5))
+
+
+@functools.cache
+def resolution_presets() -> dict[str, tuple[int, int]]:
+    """PixArt's aspect-ratio bins for its 512, 1024 and 2048 px models: label -> (width, height)."""
+    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
+        ASPECT_RATIO_512_BIN,
+        ASPECT_RATIO_1024_BIN,
+    )
+    from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
+
+    presets = {}
+    for base, bins in (
+        (512, ASPECT_RATIO_512_BIN),
+        (1024, ASPECT_RATIO_1024_BIN),
+        (2048, ASPECT_RATIO_2048_BIN),
+    ):
+        # Each bin is keyed by height / width and holds [height, width].
+        for height, width in (map(int, size) for size in bins.values()):
+            presets[f"{base}: {width}×{height} ({_aspect(width, height)})"] = (width, height)
+    return presets
+
+
+def _aspect(width: int, height: int) -> str:
+    if width == height:
+        return "1:1"
+    return f"{width / height:.2f}:1" if width > height else f"1:{height / width:.2f}"
+
+
+def preset_size(resolution: str, width: int, height: int) -> tuple[int, int]:
+    """(width, height) for a ``resolution`` choice: the preset's, or width and height when it is custom."""
+    if resolution == CUSTOM_RESOLUTION:
+        return width, height
+    presets = resolution_presets()
+    if resolution not in presets:
+        raise ValueError(
+            f"resolution {resolution!r} is not a preset; use {CUSTOM_RESOLUTION!r} (width and height) or a "
+            f"preset such as {next(iter(presets))!r}."
+        )
+    return presets[resolution]
 
 
 def check_embeds(embeds: PixArtEmbeds, caption_channels: int, model_name: str) -> None:
@@ -72,6 +195,40 @@ def check_embeds(embeds: PixArtEmbeds, caption_channels: int, model_name: str) -
 def scaling_factor(source: ModelSource) -> float:
     """The VAE's latent scaling factor, read from its config without loading it."""
     return float(source.config("vae").get("scaling_factor", 0.13025))
+
+
+class _StartsLater:
+    """Mixed into a diffusers scheduler: ``set_timesteps`` drops the first ``skip`` steps of the schedule it
+    makes (image-to-image). PixArtSigmaPipeline runs every step its scheduler holds and offers no start
+    step; cutting the per-step arrays (timesteps, and sigmas where the scheduler has them) together
+    leaves the scheduler a consistent, shorter schedule: its step index, its multistep warm-up and its
+    lower-order final step all follow the steps that run."""
+
+    skip = 0
+
+    def set_timesteps(self, *args, **kwargs) -> None:
+        super().set_timesteps(*args, **kwargs)
+        if self.skip:
+            self.timesteps = self.timesteps[self.skip :]
+            if getattr(self, "sigmas", None) is not None:
+                self.sigmas = self.sigmas[self.skip :]
+
+
+@functools.cache
+def _scheduler_class(name: str) -> type:
+    import diffusers
+
+    base = getattr(diffusers, name)
+    return type(base.__name__, (_StartsLater, base), {})
+
+
+def make_scheduler(name: str, config: dict, skip: int = 0):
+    """Scheduler ``name`` built from the model's scheduler config (so its betas and timestep spacing carry
+    over), running all but the first ``skip`` steps of the schedules it is set to."""
+    class_name, settings = _SCHEDULERS[name]
+    scheduler = _scheduler_class(class_name).from_config(config, **settings)
+    scheduler.skip = skip
+    return scheduler
 
 
 def _load(source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device):
@@ -94,6 +251,9 @@ def sample(
     cfg: float = 4.5,
     seed: int = 0,
     batch_size: int = 1,
+    scheduler: str = DEFAULT_SCHEDULER,
+    init_latents: torch.Tensor | None = None,
+    denoise: float = 1.0,
     quantization: str = "qint8",
     device: torch.device | str | None = None,
     dtype: str | torch.dtype | None = None,
@@ -101,50 +261,86 @@ def sample(
     on_step: StepCallback | None = None,
     report: memory.MemoryReport | None = None,
 ) -> torch.Tensor:
-    """Denoise from seeded noise; return latents ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the
-    VAE's scaling factor, as ComfyUI's LATENT holds them), float32 on the CPU.
+    """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
+    ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
+    them), float32 on the CPU.
 
-    The noise is drawn on the CPU so a seed gives the same image on any device.
+    ``init_latents`` are LATENT samples (raw VAE space). They set the size (width and height are then
+    ignored) and the batch: one latent is repeated ``batch_size`` times, a batch of several gives one
+    image each. ``denoise`` below 1 noises them to the first of the last ``steps_to_run(steps, denoise)``
+    steps of the ``steps``-step schedule and runs those; 1 starts from pure noise of their shape (as
+    ComfyUI's Empty Latent Image does: the values are not used); 0 returns them as they are.
+
+    The noise is drawn on the CPU from ``seed``, and the same generator feeds the schedulers that add
+    noise at every step (ancestral, SDE), so a seed gives the same image on any device.
     """
-    check_settings(width, height, steps, cfg, seed, batch_size)
+    if init_latents is not None:
+        init_latents = check_init_latents(init_latents)
+        height, width = (side * 8 for side in init_latents.shape[-2:])
+    check_settings(width, height, steps, cfg, seed, batch_size, scheduler)
+    check_denoise(denoise, has_latent=init_latents is not None)
     device = as_device(device)
     quant = Quantization(quantization, device, TRANSFORMER_SCHEMES)
     dtype = resolve_dtype(dtype, device, cuda_default=torch.float16, cpu_default=torch.bfloat16)
     config = source.config("transformer")
     check_embeds(embeds, config.get("caption_channels", 4096), source.name)
     scale = scaling_factor(source)
+    images = embeds.batch * batch_size
+    if init_latents is not None:
+        init_latents = _init_batch(init_latents, embeds.batch, batch_size)
+        if denoise == 0:
+            return init_latents
+        images = init_latents.shape[0]
+
+    generator = torch.Generator("cpu").manual_seed(seed)
     # Drawn in fp32 on the CPU: a low-precision draw gives other numbers on some torch versions.
     noise = torch.randn(
-        (embeds.batch * batch_size, LATENT_CHANNELS, height // 8, width // 8),
-        generator=torch.Generator("cpu").manual_seed(seed),
-        dtype=torch.float32,
+        (images, LATENT_CHANNELS, height // 8, width // 8), generator=generator, dtype=torch.float32
     )
+    schedule = make_scheduler(
+        scheduler, source.config("scheduler"), skip=steps - steps_to_run(steps, denoise)
+    )
+    latents = noise
+    if init_latents is not None and denoise < 1:
+        schedule.set_timesteps(steps)
+        noised = schedule.add_noise(init_latents * scale, noise, schedule.timesteps[:1])
+        # The pipeline multiplies the latents it is given by init_noise_sigma, as it does pure noise.
+        latents = noised / schedule.init_noise_sigma
     with memory.stage("sample", device, report):
         latents = _sample(
-            source, embeds, noise, batch_size, steps, cfg, quant, dtype, device, keep_loaded, on_step
+            source,
+            embeds,
+            latents,
+            steps,
+            cfg,
+            schedule,
+            generator,
+            quant,
+            dtype,
+            device,
+            keep_loaded,
+            on_step,
         )
     return latents / scale
 
 
 def _sample(
-    source, embeds, noise, batch_size, steps, cfg, quant, dtype, device, keep_loaded, on_step
+    source, embeds, latents, steps, cfg, schedule, generator, quant, dtype, device, keep_loaded, on_step
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
-    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
+    from diffusers import PixArtSigmaPipeline
 
     key = ("transformer", source.key, quant.scheme, dtype, str(device))
-    scheduler = DPMSolverMultistepScheduler.from_pretrained(
-        source.folder(["scheduler"]), subfolder="scheduler"
-    )
+    total = steps - schedule.skip
     with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as transformer:
         pipe = PixArtSigmaPipeline(
-            tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=scheduler
+            tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
         )
         pipe.set_progress_bar_config(disable=True)
 
         def callback(step: int, _t, latents: torch.Tensor) -> None:
             if on_step is not None:
-                on_step(step + 1, steps, latents)
+                on_step(step + 1, total, latents)
 
         latents = pipe(
             negative_prompt=None,
@@ -152,12 +348,13 @@ def _sample(
             prompt_attention_mask=embeds.prompt_mask.to(device),
             negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
             negative_prompt_attention_mask=embeds.negative_mask.to(device),
-            latents=noise.to(device, dtype),
-            width=noise.shape[-1] * 8,
-            height=noise.shape[-2] * 8,
+            latents=latents.to(device, dtype),
+            width=latents.shape[-1] * 8,
+            height=latents.shape[-2] * 8,
             num_inference_steps=steps,
             guidance_scale=cfg,
-            num_images_per_prompt=batch_size,
+            num_images_per_prompt=latents.shape[0] // embeds.batch,
+            generator=generator,
             output_type="latent",
             use_resolution_binning=False,
             callback=callback,

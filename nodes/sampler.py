@@ -6,6 +6,10 @@ from ..core import sampler
 from ..core.quant import TRANSFORMER_SCHEMES
 from . import common
 
+# validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
+# input that is not linked.
+_NOT_LINKED = object()
+
 
 def _size_input(name: str) -> io.Int.Input:
     return io.Int.Input(
@@ -14,7 +18,8 @@ def _size_input(name: str) -> io.Int.Input:
         min=sampler.MIN_SIZE,
         max=sampler.MAX_SIZE,
         step=sampler.SIZE_MULTIPLE,
-        tooltip=f"Image {name} in pixels, a multiple of {sampler.SIZE_MULTIPLE}.",
+        tooltip=f"Image {name} in pixels, a multiple of {sampler.SIZE_MULTIPLE}. Used when resolution is "
+        f"custom and no latent is connected.",
     )
 
 
@@ -26,8 +31,9 @@ class QuantoPixArtSampler(io.ComfyNode):
             display_name="Quanto PixArt Sampler",
             category=common.CATEGORY,
             description="Loads the PixArt-Σ transformer with int8 (or float8) weights through optimum-quanto, "
-            "samples latents with DPM-Solver++ from the embeddings, then unloads it. The LATENT is in raw VAE "
-            "space like every ComfyUI sampler's, so core VAE Decode with the SDXL VAE reads it too.",
+            "samples latents from the embeddings with the chosen scheduler (DPM-Solver++ by default), from noise "
+            "or from a LATENT (image-to-image), then unloads it. The LATENT is in raw VAE space like every "
+            "ComfyUI sampler's, so core VAE Decode with the SDXL VAE reads it too.",
             inputs=[
                 common.model_input(),
                 common.PixArtEmbeds.Input("embeds", tooltip="From Quantized T5 Encode (same model family)."),
@@ -37,7 +43,8 @@ class QuantoPixArtSampler(io.ComfyNode):
                     default=20,
                     min=1,
                     max=sampler.MAX_STEPS,
-                    tooltip="Denoising steps (DPM-Solver++).",
+                    tooltip="Denoising steps of the schedule; from a latent with denoise below 1, only the "
+                    "last steps × denoise of them run.",
                 ),
                 io.Float.Input(
                     "cfg",
@@ -67,6 +74,41 @@ class QuantoPixArtSampler(io.ComfyNode):
                     "float8 weights. none: fp16 on a GPU, bf16 on the CPU.",
                 ),
                 common.keep_loaded_input(),
+                # Optional and after the others, so workflows saved before they existed still load.
+                io.Latent.Input(
+                    "latent",
+                    optional=True,
+                    tooltip="Optional LATENT to start from (image-to-image), e.g. VAE Encode with the SDXL VAE "
+                    "or Empty Latent Image. It sets the size (width, height and resolution are ignored) and the "
+                    "batch: a single latent is repeated batch_size times, a batch of latents gives one image "
+                    "each (batch_size 1).",
+                ),
+                io.Combo.Input(
+                    "resolution",
+                    options=[sampler.CUSTOM_RESOLUTION, *sampler.resolution_presets()],
+                    default=sampler.CUSTOM_RESOLUTION,
+                    optional=True,
+                    tooltip="custom: width and height. Otherwise one of PixArt's aspect-ratio sizes for its "
+                    "512, 1024 and 2048 px models, listed as width×height (width:height).",
+                ),
+                io.Combo.Input(
+                    "scheduler",
+                    options=list(sampler.SCHEDULERS),
+                    default=sampler.DEFAULT_SCHEDULER,
+                    optional=True,
+                    tooltip="dpmsolver++: the model's own scheduler (DPM-Solver++ 2M). The others are built from "
+                    "its config; euler_ancestral and dpmsolver++_sde add seeded noise at every step.",
+                ),
+                io.Float.Input(
+                    "denoise",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    optional=True,
+                    tooltip="With a latent: how much of it is redrawn. 1 starts from noise (the latent gives "
+                    "only size and batch), 0 returns it unchanged. Below 1 needs a latent.",
+                ),
             ],
             outputs=[
                 io.Latent.Output(tooltip="Latents in raw VAE space (divided by the VAE scaling factor).")
@@ -75,19 +117,46 @@ class QuantoPixArtSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height) -> bool | str:
-        # ComfyUI does not enforce an INT's step: refuse a bad size when the prompt is queued.
+    def validate_inputs(
+        cls,
+        width,
+        height,
+        resolution=sampler.CUSTOM_RESOLUTION,
+        denoise=1.0,
+        latent=_NOT_LINKED,
+    ) -> bool | str:
+        # Refused when the prompt is queued, before T5 runs. ComfyUI does not enforce an INT's step, and
+        # leaves its range and combo checks to this function for the inputs it names.
+        has_latent = latent is not _NOT_LINKED
         try:
-            sampler.check_size("width", width)
-            sampler.check_size("height", height)
+            width, height = sampler.preset_size(resolution, width, height)
+            sampler.check_denoise(denoise, has_latent)
+            if not has_latent:
+                sampler.check_size("width", width)
+                sampler.check_size("height", height)
         except (TypeError, ValueError) as exc:
             return str(exc)
         return True
 
     @classmethod
     def execute(
-        cls, model, embeds, width, height, steps, cfg, seed, batch_size, weights, keep_loaded
+        cls,
+        model,
+        embeds,
+        width,
+        height,
+        steps,
+        cfg,
+        seed,
+        batch_size,
+        weights,
+        keep_loaded,
+        latent=None,
+        resolution=sampler.CUSTOM_RESOLUTION,
+        scheduler=sampler.DEFAULT_SCHEDULER,
+        denoise=1.0,
     ) -> io.NodeOutput:
+        width, height = sampler.preset_size(resolution, width, height)
         report = common.begin_stage(cls.hidden.dynprompt)
         samples = sampler.sample(
             common.resolve(model),
@@ -98,10 +167,13 @@ class QuantoPixArtSampler(io.ComfyNode):
             cfg=cfg,
             seed=seed,
             batch_size=batch_size,
+            scheduler=scheduler,
+            init_latents=None if latent is None else latent["samples"],
+            denoise=denoise,
             quantization=weights,
             device=common.device(),
             keep_loaded=keep_loaded,
-            on_step=common.step_callback(steps),
+            on_step=common.step_callback(sampler.steps_to_run(steps, denoise)),
             report=report,
         )
         return io.NodeOutput({"samples": samples})

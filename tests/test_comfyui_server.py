@@ -314,7 +314,14 @@ def test_bundled_workflows_match_object_info(server):
     info = server.get("/object_info")
     api = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
     for key, entry in api.items():
-        names = [name for name, _kind, _options in declared_inputs(info[entry["class_type"]])]
+        node_info = info[entry["class_type"]]
+        optional = set(node_info["input_order"].get("optional", []))
+        # An optional socket left unlinked is not in the API format.
+        names = [
+            name
+            for name, kind, options in declared_inputs(node_info)
+            if name in entry["inputs"] or name not in optional or is_widget(kind, options)
+        ]
         assert list(entry["inputs"]) == names, f"API node {key} ({entry['class_type']})"
 
     ui = json.loads(UI_WORKFLOW.read_text(encoding="utf-8"))
@@ -387,6 +394,45 @@ def test_free_vram_between_sampler_and_decode(server):
     assert run.text("free").startswith("dropped ") and "kept model(s)" in run.text("free")
     (saved,) = run.outputs[node_id(prompt, "SaveImage")]["images"]
     assert (server.output / saved["subfolder"] / saved["filename"]).is_file()
+
+
+def test_img2img_from_core_empty_latent(server):
+    """Core Empty Latent Image -> sampler (latent, denoise 0.6, euler) -> VAE Decode -> Save Image. The
+    latent sets the size: the width widget's 72 is neither used nor refused when queued."""
+    prompt = basic_prompt(width=72, denoise=0.6, scheduler="euler", seed=2)
+    sampler, decode = node_id(prompt, "PixArtQ_Sampler"), node_id(prompt, "PixArtQ_VAEDecode")
+    save = node_id(prompt, "SaveImage")
+    del prompt[node_id(prompt, "PixArtQ_MemorySnapshot")]
+    prompt[save]["inputs"]["images"] = [decode, 0]
+    prompt["empty"] = {
+        "class_type": "EmptyLatentImage",
+        "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1},
+    }
+    prompt[sampler]["inputs"]["latent"] = ["empty", 0]
+
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    progress = [data for data in run.of_type("progress") if data["node"] == sampler]
+    kept = round(STEPS * 0.6)
+    assert progress[-1]["value"] == kept and {data["max"] for data in progress} == {kept}
+    (saved,) = run.outputs[save]["images"]
+    with Image.open(server.output / saved["subfolder"] / saved["filename"]) as image:
+        assert image.size == (SIZE, SIZE)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"denoise": 0.5}, "denoise 0.5 needs a latent"),
+        ({"resolution": "1000x1000"}, "resolution '1000x1000' is not a preset"),
+    ],
+)
+def test_sampling_choices_refused_when_queued(server, inputs, message):
+    prompt = basic_prompt(**inputs)
+    response = server.queue(prompt)
+    assert response.status_code == 400
+    errors = response.json()["node_errors"][node_id(prompt, "PixArtQ_Sampler")]["errors"]
+    assert any(message in error["details"] for error in errors), errors
 
 
 def test_width_not_a_multiple_of_16_is_refused_when_queued(server):

@@ -219,3 +219,36 @@ def test_free_vram_drops_a_kept_sampler_model(comfy, chain):
     assert out.result[0] is chain.latent
     assert out.ui.as_dict()["text"][0].startswith("dropped 1 kept model(s)")
     assert len(cache) == 0
+
+
+def test_sampler_resolution_preset_sets_the_size(comfy, chain):
+    inputs = sampler_inputs(chain.embeds, width=72, resolution="512: 1024×256 (4.00:1)", steps=1)
+    latent = Prompt(comfy, GRAPH).call("2", **inputs).result[0]
+    assert latent["samples"].shape == (1, 4, 256 // 8, 1024 // 8)
+
+
+def test_sampler_takes_a_latent_and_gives_a_latent(comfy, chain):
+    prompt = Prompt(comfy, GRAPH)
+    inputs = sampler_inputs(chain.embeds, batch_size=2, scheduler="euler_ancestral", latent=chain.latent)
+    out = prompt.call("2", **inputs, denoise=0.5).result[0]
+    assert list(out) == ["samples"] and out["samples"].shape == (2, 4, SIZE // 8, SIZE // 8)
+    unchanged = prompt.call("2", **inputs, denoise=0.0).result[0]["samples"]
+    assert torch.equal(unchanged, chain.latent["samples"].repeat(2, 1, 1, 1))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "verdict"),
+    [
+        ({}, True),
+        ({"width": 72}, "width 72 is not a multiple of 16; use 64 or 80"),
+        ({"width": 72, "latent": None}, True),  # linked: the latent sets the size
+        ({"width": 72, "resolution": "1024: 1024×1024 (1:1)"}, True),
+        ({"resolution": "1000x1000"}, "resolution '1000x1000' is not a preset"),
+        ({"denoise": 0.5}, "denoise 0.5 needs a latent"),
+        ({"denoise": 0.5, "latent": None}, True),
+        ({"denoise": 1.5, "latent": None}, "denoise 1.5 is out of range"),
+    ],
+)
+def test_sampler_validates_when_queued(comfy, inputs, verdict):
+    result = comfy.nodes["PixArtQ_Sampler"].validate_inputs(**{"width": SIZE, "height": SIZE, **inputs})
+    assert result is True if verdict is True else verdict in result

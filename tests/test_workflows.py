@@ -27,12 +27,17 @@ WIDGETS = {
         "batch_size",
         "weights",
         "keep_loaded",
+        "resolution",
+        "scheduler",
+        "denoise",
     ),
     "PixArtQ_VAEDecode": ("model", "keep_loaded"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix",),
     "SaveImage": ("filename_prefix",),
 }
+# The frontend draws optional inputs with this shape (a hollow circle); only they may be left unlinked.
+OPTIONAL_SHAPE = 7
 # Widgets the frontend follows with a "control after generate" value of its own.
 CONTROLLED = {("PixArtQ_Sampler", "seed")}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
@@ -92,6 +97,9 @@ def test_ui_workflow_is_a_consistent_graph(ui):
 
     for node in ui["nodes"]:
         for slot, socket in enumerate(node["inputs"]):
+            if socket["link"] is None:
+                assert socket.get("shape") == OPTIONAL_SHAPE, f"node {node['id']} input {socket['name']!r}"
+                continue
             link = links.get(socket["link"])
             assert link is not None and link[3:5] == [node["id"], slot], (
                 f"node {node['id']} input {socket['name']!r} points at link {socket['link']}"
