@@ -37,6 +37,7 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
     p.add_argument("--height", type=int, default=size, help="pixels, a multiple of 16 (default: the model's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--cfg", type=float, default=4.5)
+    p.add_argument("--scheduler", choices=sampler.SCHEDULERS, default=sampler.DEFAULT_SCHEDULER)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--t5-quant", choices=TEXT_ENCODER_SCHEMES, default=TEXT_ENCODER_SCHEMES[0])
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
     sample_size = source.config("transformer").get("sample_size", 128) * 8
     width, height = args.width or sample_size, args.height or sample_size
     # Every setting is checked before the first model loads.
-    sampler.check_settings(width, height, args.steps, args.cfg, args.seed, args.batch_size)
+    sampler.check_settings(width, height, args.steps, args.cfg, args.seed, args.batch_size, args.scheduler)
     outputs.check_prefix(args.prefix, "--prefix")
     Quantization(args.t5_quant, device, TEXT_ENCODER_SCHEMES)
     Quantization(args.quant, device, TRANSFORMER_SCHEMES)
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
             seed=args.seed,
             batch_size=args.batch_size,
             quantization=args.quant,
+            scheduler=args.scheduler,
             device=device,
             dtype=args.precision,
             on_step=lambda step, total, _latents: bar.update(step - bar.n),
