@@ -46,11 +46,13 @@ def _versions() -> dict[str, str]:
 
 
 def entry(root: Path, component: str, source: Path, settings: dict) -> Path:
-    """The entry folder for ``component``'s weights under ``source`` quantized with ``settings``."""
-    files = sorted(p for p in source.rglob("*") if p.is_file())
+    """The entry folder for ``component``'s weights under ``source`` (a folder, or a single weights
+    file) quantized with ``settings``."""
+    base, files = (source.parent, [source]) if source.is_file() else (source, sorted(source.rglob("*")))
+    files = [p for p in files if p.is_file()]
     fingerprint = {
         "component": component,
-        "files": [(p.relative_to(source).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+        "files": [(p.relative_to(base).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         "settings": {k: str(v) for k, v in sorted(settings.items())},
         "versions": _versions(),
     }

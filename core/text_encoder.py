@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from . import memory, quant_cache
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource
+from .models import ModelSource, T5File, read_t5_file
 from .quant import TEXT_ENCODER_SCHEMES, Quantization
 
 logger = logging.getLogger(__name__)
@@ -77,35 +78,65 @@ def _t5_quantizing_every_linear() -> type:
 
 
 def _load(
-    source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device, cache_dir: Path | None
+    weights: ModelSource | T5File,
+    quant: Quantization,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path | None,
 ):
+    """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache)."""
     from transformers import T5EncoderModel
 
-    folder = source.folder(["text_encoder"])
     model_class = T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
+    settings = {"scheme": quant.scheme, "dtype": dtype, "class": model_class.__name__}
+    if isinstance(weights, T5File):
+        origin = weights.path
+        settings["config"] = weights.config  # inferred, so a change in the inference is a new entry
 
-    def from_pretrained(path: Path, **kwargs):
-        model = model_class.from_pretrained(path, dtype=dtype, device_map={"": str(device)}, **kwargs)
+        def pretrained() -> dict:
+            return weights.pretrained_kwargs(dtype)
+    else:
+        origin = weights.folder(["text_encoder"]) / "text_encoder"
+
+        def pretrained() -> dict:
+            return {"pretrained_model_name_or_path": origin}
+
+    def from_pretrained(pretrained_model_name_or_path, **kwargs):
+        model = model_class.from_pretrained(
+            pretrained_model_name_or_path, dtype=dtype, device_map={"": str(device)}, **kwargs
+        )
         return model.eval()
 
     def quantize():
-        return quant.after_load(from_pretrained(folder, subfolder="text_encoder", **quant.load_kwargs(dtype)))
+        return quant.after_load(from_pretrained(**pretrained(), **quant.load_kwargs(dtype)))
 
     if cache_dir is None or not quant.enabled:
         return quantize()
-    settings = {"scheme": quant.scheme, "dtype": dtype, "class": model_class.__name__}
     return quant_cache.load_or_build(
-        quant_cache.entry(cache_dir, "text_encoder", folder / "text_encoder", settings),
+        quant_cache.entry(cache_dir, "text_encoder", origin, settings),
         load=from_pretrained,  # the saved config carries the quantization
         build=quantize,
         save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
     )
 
 
-def _load_tokenizer(source: ModelSource):
+def _load_tokenizer(source: ModelSource, fallback: Path | None):
+    """The model's own tokenizer/, else ``fallback`` (a T5 tokenizer folder, e.g. the one ComfyUI ships)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.folder(["tokenizer"]), subfolder="tokenizer")
+    try:
+        folder = source.folder(["tokenizer"])
+    except FileNotFoundError as exc:
+        if fallback is None or not fallback.is_dir():
+            raise FileNotFoundError(
+                f"model {source.name!r} has no tokenizer ({exc}) and the fallback T5 tokenizer folder "
+                f"{str(fallback) if fallback else '(none given)'} does not exist. Put PixArt-Σ's tokenizer/ "
+                f"folder into the model's folder, or pass a folder holding a T5 tokenizer (tokenizer.json or "
+                f"spiece.model with tokenizer_config.json)."
+            ) from exc
+        logger.info("model %r has no tokenizer/; using the T5 tokenizer in %s", source.name, fallback)
+        return AutoTokenizer.from_pretrained(fallback)
+    return AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
 
 
 def encode(
@@ -118,10 +149,14 @@ def encode(
     keep_loaded: bool = False,
     quant_cache_dir: Path | None = None,
     report: memory.MemoryReport | None = None,
+    t5_file: str | os.PathLike | None = None,
+    tokenizer_fallback: Path | None = None,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
     unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
 
+    T5 comes from ``source``'s text_encoder/, or from ``t5_file`` (one safetensors file, e.g. ComfyUI's
+    t5xxl_fp16.safetensors); the tokenizer from ``source``'s tokenizer/, else ``tokenizer_fallback``.
     With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
     (see :mod:`quant_cache`)."""
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -131,17 +166,37 @@ def encode(
     quant = Quantization(quantization, device, TEXT_ENCODER_SCHEMES)
     # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16)
+    weights = read_t5_file(t5_file) if t5_file is not None else source
+    tokenizer = _load_tokenizer(source, tokenizer_fallback)
+    if isinstance(weights, T5File) and len(tokenizer) > weights.config["vocab_size"]:
+        raise ValueError(
+            f"t5_file {weights.path.name!r} has {weights.config['vocab_size']} token embeddings but the tokenizer "
+            f"({tokenizer.name_or_path}) has {len(tokenizer)} tokens: they do not belong together. Use a "
+            f"T5-XXL file (32128 embeddings) with a T5 v1.1 tokenizer."
+        )
     with memory.stage("t5_encode", device, report):
-        return _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded, quant_cache_dir)
+        return _encode(
+            source,
+            weights,
+            tokenizer,
+            prompt,
+            negative_prompt,
+            quant,
+            dtype,
+            device,
+            keep_loaded,
+            quant_cache_dir,
+        )
 
 
-def _encode(source, prompt, negative_prompt, quant, dtype, device, keep_loaded, cache_dir) -> PixArtEmbeds:
+def _encode(
+    source, weights, tokenizer, prompt, negative_prompt, quant, dtype, device, keep_loaded, cache_dir
+) -> PixArtEmbeds:
     # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("text_encoder", source.key, quant.scheme, dtype, str(device))
-    tokenizer = _load_tokenizer(source)
-    with cache.use(key, lambda: _load(source, quant, dtype, device, cache_dir), keep_loaded) as text_encoder:
+    key = ("text_encoder", weights.key, quant.scheme, dtype, str(device))
+    with cache.use(key, lambda: _load(weights, quant, dtype, device, cache_dir), keep_loaded) as text_encoder:
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None

@@ -1,10 +1,31 @@
 from __future__ import annotations
 
+from pathlib import Path
+
+import comfy.model_management
+import folder_paths
 from comfy_api.latest import io
 
 from ..core import text_encoder
 from ..core.quant import TEXT_ENCODER_SCHEMES
 from . import common
+
+FROM_MODEL = "(from model)"
+
+
+def t5_files() -> list[str]:
+    """The safetensors files in ComfyUI's models/text_encoders folders (.bin/.pt are never offered)."""
+    return [
+        name
+        for name in folder_paths.get_filename_list("text_encoders")
+        if name.lower().endswith(".safetensors")
+    ]
+
+
+def comfy_t5_tokenizer() -> Path:
+    """The T5 v1.1 tokenizer ComfyUI ships for its own T5 models, used when the PixArt folder has none."""
+    # comfy is a namespace package (no __file__): locate it through one of its modules.
+    return Path(comfy.model_management.__file__).parent / "text_encoders" / "t5_tokenizer"
 
 
 class QuantizedT5Encode(io.ComfyNode):
@@ -15,7 +36,8 @@ class QuantizedT5Encode(io.ComfyNode):
             display_name="Quantized T5 Encode",
             category=common.CATEGORY,
             description="Encodes the prompt and negative prompt with PixArt-Σ's T5-XXL loaded in 4-bit "
-            "(or 8-bit) with bitsandbytes, then unloads T5. The embeddings stay on the CPU.",
+            "(or 8-bit) with bitsandbytes, then unloads T5. T5 comes from the model's folder or from a "
+            "single T5-XXL file in models/text_encoders. The embeddings stay on the CPU.",
             inputs=[
                 common.model_input(),
                 io.String.Input("prompt", multiline=True, default="", tooltip="What the image shows."),
@@ -34,6 +56,16 @@ class QuantizedT5Encode(io.ComfyNode):
                     "fp4: 4-bit float. int8: bitsandbytes 8-bit, wo left in bf16. none: bf16 weights (largest).",
                 ),
                 common.keep_loaded_input(),
+                io.Combo.Input(
+                    "t5_file",
+                    options=[FROM_MODEL, *t5_files()],
+                    default=FROM_MODEL,
+                    optional=True,
+                    tooltip="(from model): T5 from the model's text_encoder/ folder. Or a T5-XXL file from "
+                    "models/text_encoders (t5xxl_fp16, t5xxl_fp8_e4m3fn, bf16, as SD3 and Flux use): quantized as "
+                    "it loads, no second copy of T5 needed. The tokenizer still comes from the model's folder, "
+                    "or from ComfyUI's own T5 tokenizer when the folder has none.",
+                ),
             ],
             outputs=[
                 common.PixArtEmbeds.Output(
@@ -45,8 +77,13 @@ class QuantizedT5Encode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, prompt, negative_prompt, quantization, keep_loaded) -> io.NodeOutput:
+    def execute(
+        cls, model, prompt, negative_prompt, quantization, keep_loaded, t5_file=FROM_MODEL
+    ) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
+        t5_path = (
+            None if t5_file == FROM_MODEL else folder_paths.get_full_path_or_raise("text_encoders", t5_file)
+        )
         embeds = text_encoder.encode(
             common.resolve(model),
             prompt,
@@ -56,5 +93,7 @@ class QuantizedT5Encode(io.ComfyNode):
             keep_loaded=keep_loaded,
             quant_cache_dir=common.quant_cache_dir(),
             report=report,
+            t5_file=t5_path,
+            tokenizer_fallback=comfy_t5_tokenizer(),
         )
         return io.NodeOutput(embeds)

@@ -521,3 +521,68 @@ def test_comfyui_free_endpoint_releases_kept_models(server):
     server.run(between)
     counted = server.run(free_vram_prompt())
     assert counted.text("free").startswith("dropped 0 kept model(s)")
+
+
+TINY_T5_FILE = "tiny_t5xxl_fp16.safetensors"
+
+
+@pytest.fixture(scope="module")
+def t5_file(server) -> str:
+    """A tiny T5 saved as one safetensors file (t5xxl's key layout) in the server's models/text_encoders,
+    with T5-XXL's 32128 embeddings so that every id of ComfyUI's own tokenizer (32100) has one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import T5Config, T5EncoderModel
+
+    from pixart_lowvram.core.random_model import PRESETS
+
+    torch.manual_seed(0)
+    config = T5Config(
+        **PRESETS["tiny"]["text_encoder"], vocab_size=32128, is_encoder_decoder=False, use_cache=False
+    )
+    state = T5EncoderModel(config).state_dict()
+    del state["encoder.embed_tokens.weight"]  # tied to shared.weight; the t5xxl files hold only that
+    folder = server.base / "models" / "text_encoders"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({key: value.half().contiguous() for key, value in state.items()}, folder / TINY_T5_FILE)
+    return TINY_T5_FILE
+
+
+def test_single_file_t5_with_comfyuis_own_tokenizer(server, t5_file):
+    """T5 from models/text_encoders with a PixArt folder that has neither text_encoder/ nor tokenizer/:
+    ComfyUI's own T5 tokenizer is used."""
+    no_tokenizer = "pixart-without-t5"
+    ignore = shutil.ignore_patterns("text_encoder", "tokenizer")
+    shutil.copytree(server.models / MODEL, server.models / no_tokenizer, ignore=ignore)
+    info = server.get("/object_info/PixArtQ_T5Encode")["PixArtQ_T5Encode"]
+    options = info["input"]["optional"]["t5_file"][1]["options"]
+    assert options[0] == "(from model)" and t5_file in options
+
+    prompt = basic_prompt(model=no_tokenizer, seed=31)
+    prompt[node_id(prompt, "PixArtQ_T5Encode")]["inputs"]["t5_file"] = t5_file
+    log_start = server.log.stat().st_size
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    log = server.log_text(log_start)
+    assert "has no tokenizer/; using the T5 tokenizer in" in log
+    assert str(Path("comfy") / "text_encoders" / "t5_tokenizer") in log
+    (saved,) = run.outputs[node_id(prompt, "SaveImage")]["images"]
+    with Image.open(server.output / saved["subfolder"] / saved["filename"]) as image:
+        assert image.size == (SIZE, SIZE)
+
+
+def test_a_text_encoder_file_that_is_not_t5_is_refused(server, t5_file):
+    import torch
+    from safetensors.torch import save_file
+
+    clip = "clip_l_tiny.safetensors"
+    save_file(
+        {"text_model.final_layer_norm.weight": torch.ones(8)}, server.base / "models" / "text_encoders" / clip
+    )
+    prompt = basic_prompt(seed=32)
+    encoder = node_id(prompt, "PixArtQ_T5Encode")
+    prompt[encoder]["inputs"]["t5_file"] = clip
+    run = server.run(prompt)
+    assert run.status == "error"
+    assert run.error["node_id"] == encoder and run.error["exception_type"] == "ValueError"
+    assert f"t5_file '{clip}' is not a T5 encoder" in run.error["exception_message"]

@@ -16,7 +16,7 @@ API_FILE = WORKFLOWS / "pixart_lowvram_basic_api.json"
 # Each node type's widget inputs in /object_info's input_order; the frontend stores their values in
 # this order. Inputs that take a link (embeds, latent, value, images) are sockets, not widgets.
 WIDGETS = {
-    "PixArtQ_T5Encode": ("model", "prompt", "negative_prompt", "quantization", "keep_loaded"),
+    "PixArtQ_T5Encode": ("model", "prompt", "negative_prompt", "quantization", "keep_loaded", "t5_file"),
     "PixArtQ_Sampler": (
         "model",
         "width",
