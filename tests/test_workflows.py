@@ -31,7 +31,7 @@ WIDGETS = {
         "scheduler",
         "denoise",
     ),
-    "PixArtQ_VAEDecode": ("model", "keep_loaded"),
+    "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix",),
     "SaveImage": ("filename_prefix",),
