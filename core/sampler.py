@@ -102,16 +102,23 @@ def check_denoise(denoise: float, has_latent: bool) -> None:
         )
 
 
-def check_init_latents(latents: object) -> torch.Tensor:
-    """ComfyUI LATENT samples to start from, as float32 on the CPU."""
+def check_latent_tensor(latents: object, use: str, fix: str) -> None:
+    """A LATENT's samples must be a [batch, 4, h, w] tensor (the SDXL VAE's latents)."""
     if not isinstance(latents, torch.Tensor):
         raise TypeError(f"latent must hold a tensor under 'samples', got {type(latents).__name__}.")
     if latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
         raise ValueError(
-            f"latent has shape {tuple(latents.shape)}; PixArt-Σ samples from [batch, {LATENT_CHANNELS}, "
-            f"height/8, width/8] (the SDXL VAE's latents). Make it with Empty Latent Image or VAE Encode with "
-            f"the SDXL VAE (sdxl_vae.safetensors)."
+            f"latent has shape {tuple(latents.shape)}; {use} [batch, {LATENT_CHANNELS}, height/8, width/8]. {fix}"
         )
+
+
+def check_init_latents(latents: object) -> torch.Tensor:
+    """ComfyUI LATENT samples to start from, as float32 on the CPU."""
+    check_latent_tensor(
+        latents,
+        "PixArt-Σ samples from",
+        "Make it with Empty Latent Image or VAE Encode with the SDXL VAE (sdxl_vae.safetensors).",
+    )
     check_size("latent width", latents.shape[3] * 8)
     check_size("latent height", latents.shape[2] * 8)
     return latents.detach().to("cpu", torch.float32)

@@ -8,7 +8,7 @@ from . import memory
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource
-from .sampler import LATENT_CHANNELS
+from .sampler import check_latent_tensor
 
 TILING = ("auto", "on", "off")
 TILE_SIZE = (
@@ -21,13 +21,11 @@ ACTIVATION_BYTES_PER_PIXEL = 1300
 
 
 def check_latents(samples: object) -> None:
-    if not isinstance(samples, torch.Tensor):
-        raise TypeError(f"latent must hold a tensor under 'samples', got {type(samples).__name__}.")
-    if samples.ndim != 4 or samples.shape[1] != LATENT_CHANNELS:
-        raise ValueError(
-            f"latent has shape {tuple(samples.shape)}; PixArt-Σ's VAE decodes [batch, {LATENT_CHANNELS}, "
-            f"height/8, width/8]. Feed it the LATENT of Quanto PixArt Sampler or of an SDXL-family node."
-        )
+    check_latent_tensor(
+        samples,
+        "PixArt-Σ's VAE decodes",
+        "Feed it the LATENT of Quanto PixArt Sampler or of an SDXL-family node.",
+    )
 
 
 def _load(source: ModelSource, dtype: torch.dtype, device: torch.device):
