@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import comfy.latent_formats
 import comfy.model_management
 import comfy.utils
 import folder_paths
+import latent_preview
 from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
@@ -79,11 +81,23 @@ def begin_stage(dynprompt) -> memory.MemoryReport:
 
 
 def step_callback(total: int):
-    """Drives ComfyUI's progress bar and stops at the next step when the user cancels."""
-    bar = comfy.utils.ProgressBar(total)
+    """Drives ComfyUI's progress bar with a preview of each step, and stops at the next step when the user
+    cancels.
 
-    def on_step(step: int, _total: int, _latents) -> None:
+    The preview is ComfyUI's own previewer for the SDXL latent format (the SDXL VAE is PixArt-Σ's), chosen
+    by ``--preview-method`` or the prompt's override: TAESD-XL from models/vae_approx, latent-to-RGB, or
+    none. It is decoded every step, as ComfyUI's samplers do."""
+    bar = comfy.utils.ProgressBar(total)
+    previewer = latent_preview.get_previewer(device(), comfy.latent_formats.SDXL())
+
+    def on_step(step: int, _total: int, latents) -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
-        bar.update_absolute(step, total)
+        preview = None
+        if previewer is not None:
+            # The pipeline's latents are raw VAE latents × the VAE's scaling factor (0.13025), which is the
+            # SDXL format's process_in space that ComfyUI's previewers take. They preview the first image,
+            # in float32 like ComfyUI's samplers' latents (TAESD's weights are float32).
+            preview = previewer.decode_latent_to_preview_image("JPEG", latents[:1].float())
+        bar.update_absolute(step, total, preview)
 
     return on_step

@@ -1,23 +1,27 @@
 """The pack inside a real ComfyUI server (the ``comfyui`` tier): /object_info, the bundled workflows
-queued through POST /prompt and followed on the websocket, errors as the user sees them, and kept
-models released by Free VRAM.
+queued through POST /prompt and followed on the websocket (progress, previews, Cancel), errors as the
+user sees them, and kept models released by Free VRAM.
 
-One server (``--cpu``) runs for the module on a free local port, in a temporary base directory whose
-custom_nodes/ links to this repository and whose models/diffusers/ holds the tiny random model.
+One server (``--cpu --preview-method auto``) runs for the module on a free local port, in a temporary
+base directory whose custom_nodes/ links to this repository and whose models/diffusers/ holds the tiny
+random model.
 Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON names its interpreter (default: this one).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,17 +50,37 @@ PROMPT_TIMEOUT = 300
 HTTP_TIMEOUT = 30
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 MATCH_TYPE = "COMFY_MATCHTYPE_V3"
+# protocol.BinaryEventTypes: a preview with its node and prompt ids, sent to clients that announce
+# supports_preview_metadata as ComfyUI's web UI does.
+PREVIEW_IMAGE_WITH_METADATA = 4
+PREVIEW_SIZE = 512  # ComfyUI's --preview-size default: it scales every preview to fit this square
 
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 
 
 @dataclass
+class Preview:
+    """A preview image sent over the websocket as a binary frame during a node's run."""
+
+    node: str
+    mimetype: str
+    data: bytes
+
+    def image(self) -> Image.Image:
+        image = Image.open(io.BytesIO(self.data))
+        image.load()
+        return image
+
+
+@dataclass
 class Run:
-    """One prompt as the client saw it: its websocket messages in order, and its /history entry."""
+    """One prompt as the client saw it: its websocket messages and previews in order, and its /history
+    entry."""
 
     prompt_id: str
     messages: list[tuple[str, dict]]
+    previews: list[Preview]
     history: dict
 
     @property
@@ -103,13 +127,25 @@ class ComfyServer:
         response.raise_for_status()
         return response.json()
 
-    def queue(self, prompt: dict, client_id: str = "", prompt_id: str = "") -> requests.Response:
+    def queue(
+        self, prompt: dict, client_id: str = "", prompt_id: str = "", extra_data: dict | None = None
+    ) -> requests.Response:
         body = {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex}
         body["prompt_id"] = prompt_id or str(uuid.uuid4())
+        if extra_data:
+            body["extra_data"] = extra_data
         return requests.post(self.url + "/prompt", json=body, timeout=HTTP_TIMEOUT)
 
-    def run(self, prompt: dict, timeout: float = PROMPT_TIMEOUT) -> Run:
-        """Queue ``prompt`` and follow the websocket until ComfyUI reports it done."""
+    def run(
+        self,
+        prompt: dict,
+        timeout: float = PROMPT_TIMEOUT,
+        extra_data: dict | None = None,
+        on_message: OnMessage | None = None,
+    ) -> Run:
+        """Queue ``prompt`` and follow the websocket until ComfyUI reports it done. The client announces
+        preview metadata as the web UI does; ``on_message`` sees each of the prompt's messages as it
+        arrives."""
         import websocket  # websocket-client: only this tier needs it
 
         client_id, prompt_id = uuid.uuid4().hex, str(uuid.uuid4())
@@ -117,12 +153,14 @@ class ComfyServer:
             self.url.replace("http://", "ws://") + f"/ws?clientId={client_id}", timeout=HTTP_TIMEOUT
         )
         try:
-            response = self.queue(prompt, client_id, prompt_id)
+            flags = {"type": "feature_flags", "data": {"supports_preview_metadata": True}}
+            ws.send(json.dumps(flags))
+            response = self.queue(prompt, client_id, prompt_id, extra_data)
             assert response.status_code == 200, f"ComfyUI refused the prompt: {response.text}"
-            messages = follow(ws, prompt_id, timeout)
+            messages, previews = follow(ws, prompt_id, timeout, on_message)
         finally:
             ws.close()
-        return Run(prompt_id, messages, self.get(f"/history/{prompt_id}")[prompt_id])
+        return Run(prompt_id, messages, previews, self.get(f"/history/{prompt_id}")[prompt_id])
 
     def log_text(self, start: int = 0) -> str:
         with self.log.open("rb") as f:
@@ -130,11 +168,27 @@ class ComfyServer:
             return f.read().decode("utf-8", "replace")
 
 
-def follow(ws, prompt_id: str, timeout: float) -> list[tuple[str, dict]]:
-    """This prompt's messages up to ``executing`` with node None (ComfyUI's "prompt done")."""
+OnMessage = Callable[[str, dict], None]
+
+
+def preview_frame(raw: bytes) -> tuple[dict, Preview] | None:
+    """A binary PREVIEW_IMAGE_WITH_METADATA frame: event type, metadata length, metadata JSON, image."""
+    (event,) = struct.unpack(">I", raw[:4])
+    if event != PREVIEW_IMAGE_WITH_METADATA:
+        return None
+    (length,) = struct.unpack(">I", raw[4:8])
+    metadata = json.loads(raw[8 : 8 + length])
+    return metadata, Preview(metadata["node_id"], metadata["image_type"], raw[8 + length :])
+
+
+def follow(
+    ws, prompt_id: str, timeout: float, on_message: OnMessage | None = None
+) -> tuple[list[tuple[str, dict]], list[Preview]]:
+    """This prompt's messages and previews up to ``executing`` with node None (ComfyUI's "prompt done")."""
     import websocket
 
     messages: list[tuple[str, dict]] = []
+    previews: list[Preview] = []
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
@@ -147,15 +201,20 @@ def follow(ws, prompt_id: str, timeout: float) -> list[tuple[str, dict]]:
             raw = ws.recv()
         except websocket.WebSocketTimeoutException:
             continue
-        if isinstance(raw, bytes):  # binary previews
+        if isinstance(raw, bytes):
+            frame = preview_frame(raw)
+            if frame is not None and frame[0].get("prompt_id") == prompt_id:
+                previews.append(frame[1])
             continue
         message = json.loads(raw)
         data = message.get("data") or {}
         if data.get("prompt_id") != prompt_id:
             continue
         messages.append((message["type"], data))
+        if on_message is not None:
+            on_message(message["type"], data)
         if message["type"] == "executing" and data.get("node") is None:
-            return messages
+            return messages, previews
 
 
 def free_port() -> int:
@@ -195,7 +254,7 @@ def wait_until_up(process: subprocess.Popen, url: str, log: Path) -> None:
 def server(request, tmp_path_factory, tiny_folder):
     comfyui = Path(os.environ["COMFYUI_PATH"]).resolve()
     base = tmp_path_factory.mktemp("comfyui")
-    for folder in ("custom_nodes", "models/diffusers", "output", "input", "temp"):
+    for folder in ("custom_nodes", "models/diffusers", "models/vae_approx", "output", "input", "temp"):
         (base / folder).mkdir(parents=True)
     (base / "custom_nodes" / "comfyui-pixart-lowvram").symlink_to(REPO, target_is_directory=True)
     shutil.copytree(tiny_folder, base / "models" / "diffusers" / MODEL)
@@ -216,6 +275,10 @@ def server(request, tmp_path_factory, tiny_folder):
         "--database-url",
         f"sqlite:///{base / 'db.sqlite'}",
         "--disable-auto-launch",
+        # What most users set; in ComfyUI 0.8 "auto" means latent-to-RGB. A prompt's extra_data can
+        # override it (the web UI's preview setting).
+        "--preview-method",
+        "auto",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     failed_before = request.session.testsfailed
@@ -418,6 +481,124 @@ def test_img2img_from_core_empty_latent(server):
     (saved,) = run.outputs[save]["images"]
     with Image.open(server.output / saved["subfolder"] / saved["filename"]) as image:
         assert image.size == (SIZE, SIZE)
+
+
+def test_sampler_sends_a_latent_preview_every_step(server):
+    """With --preview-method auto (latent-to-RGB in ComfyUI 0.8) every sampler step sends a JPEG preview
+    with the sampler's node id; a prompt that turns previews off (the web UI's preview setting) gets
+    progress without them."""
+    prompt = basic_prompt(seed=41)
+    sampler = node_id(prompt, "PixArtQ_Sampler")
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    assert [preview.node for preview in run.previews] == [sampler] * STEPS
+    for preview in run.previews:
+        assert preview.mimetype == "image/jpeg"
+        image = preview.image()
+        assert image.format == "JPEG" and image.mode == "RGB" and image.size == (PREVIEW_SIZE, PREVIEW_SIZE)
+        low, high = zip(*image.getextrema(), strict=True)
+        assert max(high) - min(low) > 16, "a flat preview shows nothing of the latents"
+
+    quiet = server.run(basic_prompt(seed=42), extra_data={"preview_method": "none"})
+    assert quiet.status == "success", quiet.error
+    assert (
+        quiet.previews == [] and [data["node"] for data in quiet.of_type("progress")].count(sampler) == STEPS
+    )
+
+
+def red_taesdxl_decoder() -> dict:
+    """A taesdxl_decoder file's tensors (comfy/taesd/taesd.py ``Decoder``; modules without weights are
+    placeholders here, so the indices match) that decode anything to pure red: every weight zero, the
+    last convolution's bias red."""
+    import torch
+    from torch import nn
+
+    def conv(n_in: int, n_out: int, bias: bool = True) -> nn.Conv2d:
+        return nn.Conv2d(n_in, n_out, 3, padding=1, bias=bias)
+
+    def block() -> nn.Module:
+        module = nn.Module()
+        module.conv = nn.Sequential(conv(64, 64), nn.ReLU(), conv(64, 64), nn.ReLU(), conv(64, 64))
+        return module
+
+    def upscale() -> list[nn.Module]:
+        return [block(), block(), block(), nn.Upsample(scale_factor=2), conv(64, 64, bias=False)]
+
+    decoder = nn.Sequential(
+        nn.Identity(), conv(4, 64), nn.ReLU(), *upscale(), *upscale(), *upscale(), block(), conv(64, 3)
+    )
+    state = {name: torch.zeros_like(tensor) for name, tensor in decoder.state_dict().items()}
+    state[f"{len(decoder) - 1}.bias"] = torch.tensor([1.0, 0.0, 0.0])
+    return state
+
+
+def test_taesd_previews_when_taesdxl_is_installed(server):
+    """Previews set to TAESD (the web UI's setting): without taesdxl_decoder in models/vae_approx ComfyUI
+    warns and falls back to latent-to-RGB; with it, TAESD-XL decodes the previews (this file's decoder
+    paints everything red)."""
+    from safetensors.torch import save_file
+
+    sampler = node_id(basic_prompt(), "PixArtQ_Sampler")
+    missing = "TAESD previews enabled, but could not find models/vae_approx/taesdxl_decoder"
+    log_start = server.log.stat().st_size
+    fallback = server.run(basic_prompt(seed=43), extra_data={"preview_method": "taesd"})
+    assert fallback.status == "success", fallback.error
+    assert missing in server.log_text(log_start)
+    assert [preview.node for preview in fallback.previews] == [sampler] * STEPS
+
+    taesd = server.base / "models" / "vae_approx" / "taesdxl_decoder.safetensors"
+    save_file(red_taesdxl_decoder(), taesd)
+    log_start = server.log.stat().st_size
+    try:
+        run = server.run(basic_prompt(seed=44), extra_data={"preview_method": "taesd"})
+    finally:
+        taesd.unlink()
+    assert run.status == "success", run.error
+    assert missing not in server.log_text(log_start)
+    assert [preview.node for preview in run.previews] == [sampler] * STEPS
+    for preview in run.previews:
+        image = preview.image()
+        assert image.size == (PREVIEW_SIZE, PREVIEW_SIZE)
+        red, green, blue = image.getextrema()
+        assert red[0] > 240 and green[1] < 16 and blue[1] < 16, image.getextrema()
+
+
+def test_cancel_stops_sampling_at_the_next_step(server):
+    """POST /interrupt while the sampler runs (as the web UI's Cancel does): ComfyUI reports the prompt
+    interrupted in the sampler, sampling stops within a step or two of it, the transformer is not kept
+    (though keep_loaded asked for it) and the next prompt runs normally."""
+    server.run(free_vram_prompt())  # start with no kept models
+    steps = 200  # about a minute on the CPU: long enough to cancel
+    prompt = basic_prompt(seed=51, steps=steps, keep_loaded=True)
+    sampler = node_id(prompt, "PixArtQ_Sampler")
+    cancelled_at: list[int] = []
+
+    def cancel_after_two_steps(kind: str, data: dict) -> None:
+        if kind == "progress" and data["node"] == sampler and data["value"] >= 2 and not cancelled_at:
+            cancelled_at.append(data["value"])
+            body = {"prompt_id": data["prompt_id"]}
+            requests.post(server.url + "/interrupt", json=body, timeout=HTTP_TIMEOUT).raise_for_status()
+
+    log_start = server.log.stat().st_size
+    run = server.run(prompt, on_message=cancel_after_two_steps)
+    assert cancelled_at, "the sampler reported no progress"
+    assert run.status == "error" and run.error is None
+    (interrupted,) = run.of_type("execution_interrupted")
+    assert interrupted["node_id"] == sampler and interrupted["node_type"] == "PixArtQ_Sampler"
+    done = max(data["value"] for data in run.of_type("progress") if data["node"] == sampler)
+    # The step running when the interrupt arrives finishes; the check at the end of a step stops it.
+    assert done <= cancelled_at[0] + 2 < steps
+    assert node_id(prompt, "PixArtQ_VAEDecode") not in run.executed
+    log = server.log_text(log_start)
+    assert f"Interrupting prompt {run.prompt_id}" in log and "Processing interrupted" in log
+
+    freed = server.run(free_vram_prompt())
+    assert freed.text("free").startswith("dropped 0 kept model(s)")
+    after = server.run(basic_prompt(seed=52))
+    assert after.status == "success", after.error
+    assert max(data["value"] for data in after.of_type("progress") if data["node"] == sampler) == STEPS
+    (saved,) = after.outputs[node_id(prompt, "SaveImage")]["images"]
+    assert (server.output / saved["subfolder"] / saved["filename"]).is_file()
 
 
 @pytest.mark.parametrize(

@@ -122,19 +122,33 @@ def sampler_inputs(embeds, **overrides) -> dict:
     return {**inputs, **overrides}
 
 
+class ProgressHook:
+    """ComfyUI's progress bar hook while the ``with`` lasts: records (value, total, preview) per call
+    and runs ``also`` on each."""
+
+    def __init__(self, comfy, also=None):
+        self.utils, self.also, self.calls = comfy.utils, also, []
+
+    def __call__(self, value, total, preview, node_id=None):
+        self.calls.append((value, total, preview))
+        if self.also is not None:
+            self.also(value)
+
+    def __enter__(self):
+        self.saved = self.utils.PROGRESS_BAR_HOOK
+        self.utils.set_progress_bar_global_hook(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self.utils.set_progress_bar_global_hook(self.saved)
+
+
 @pytest.fixture(scope="module")
 def chain(comfy):
     """T5 encode -> sampler -> decode through the nodes in one prompt, with ComfyUI's progress hook
     recording the sampler's steps."""
     prompt = Prompt(comfy, GRAPH)
-    steps = []
-
-    def hook(value, total, preview, node_id=None):
-        steps.append((value, total))
-
-    saved_hook = comfy.utils.PROGRESS_BAR_HOOK
-    comfy.utils.set_progress_bar_global_hook(hook)
-    try:
+    with ProgressHook(comfy) as hook:
         embeds = prompt.call(
             "1",
             model=MODEL,
@@ -144,10 +158,12 @@ def chain(comfy):
             keep_loaded=False,
         ).result[0]
         latent = prompt.call("2", **sampler_inputs(embeds)).result[0]
-    finally:
-        comfy.utils.set_progress_bar_global_hook(saved_hook)
     images = prompt.call("3", model=MODEL, latent=latent, keep_loaded=False).result[0]
-    return SimpleNamespace(prompt=prompt, embeds=embeds, latent=latent, images=images, steps=steps)
+    steps = [(value, total) for value, total, _preview in hook.calls]
+    previews = [preview for _value, _total, preview in hook.calls]
+    return SimpleNamespace(
+        prompt=prompt, embeds=embeds, latent=latent, images=images, steps=steps, previews=previews
+    )
 
 
 def test_entry_point_lists_the_five_nodes(comfy):
@@ -176,6 +192,73 @@ def test_chain_outputs(chain):
 
 def test_sampler_drives_comfyui_progress_bar(chain):
     assert chain.steps == [(step, STEPS) for step in range(1, STEPS + 1)]
+
+
+@pytest.fixture
+def latent2rgb_previews(comfy):
+    """``--preview-method latent2rgb`` for one test (outside main.py nothing parses the command line)."""
+    from comfy.cli_args import LatentPreviewMethod, args
+
+    saved, args.preview_method = args.preview_method, LatentPreviewMethod.Latent2RGB
+    yield
+    args.preview_method = saved
+
+
+def test_no_previews_by_default(chain):
+    # ComfyUI's --preview-method defaults to none.
+    assert chain.previews == [None] * STEPS
+
+
+def test_sampler_previews_its_latents_in_comfyuis_model_space(comfy, chain, latent2rgb_previews):
+    """Each step hands the progress hook a preview from ComfyUI's previewer for the SDXL format; the last
+    is that previewer's image of the returned LATENT taken into the model space (process_in, × 0.13025),
+    where ComfyUI's previewers work. The random model's latents grow huge over a whole schedule and
+    saturate every preview, so this runs the last few low-noise steps from a latent of a real image's
+    magnitude (raw VAE space, so about 1 in the model space), where the space makes a difference."""
+    import latent_preview
+    import numpy as np
+    from comfy.latent_formats import SDXL
+
+    sdxl = SDXL()
+    start = torch.randn((1, 4, SIZE // 8, SIZE // 8), generator=torch.Generator().manual_seed(0))
+    inputs = sampler_inputs(chain.embeds, steps=20, latent={"samples": start * 0.5 / sdxl.scale_factor})
+    with ProgressHook(comfy) as hook:
+        latent = Prompt(comfy, GRAPH).call("2", **inputs, denoise=0.1).result[0]
+    assert [(value, total) for value, total, _preview in hook.calls] == [(1, 2), (2, 2)]
+    for _value, _total, preview in hook.calls:
+        kind, image, max_size = preview
+        assert kind == "JPEG" and max_size == latent_preview.MAX_PREVIEW_RESOLUTION
+        assert image.size == (SIZE // 8, SIZE // 8)
+
+    previewer = latent_preview.Latent2RGBPreviewer(sdxl.latent_rgb_factors, sdxl.latent_rgb_factors_bias)
+    shown = np.asarray(hook.calls[-1][2][1], dtype=int)
+    in_model_space = previewer.decode_latent_to_preview(sdxl.process_in(latent["samples"]))
+    raw = previewer.decode_latent_to_preview(latent["samples"])
+    assert ((shown > 0) & (shown < 255)).mean() > 0.5, "a saturated preview cannot tell the spaces apart"
+    # The pipeline's bf16 latents against float32 ones, truncated to uint8.
+    assert np.abs(shown - np.asarray(in_model_space, dtype=int)).max() <= 1
+    assert np.abs(shown - np.asarray(raw, dtype=int)).mean() > 32
+
+
+def test_cancel_stops_the_sampler_at_the_next_step_and_frees_it(comfy, chain, load_spy):
+    """ComfyUI's interrupt flag set during step 2 (as POST /interrupt does) stops sampling when step 3
+    ends: the pack's check raises ComfyUI's InterruptProcessingException, and the transformer is gone
+    although keep_loaded asked to keep it."""
+    from comfy import model_management
+
+    def interrupt_at_step_two(value):
+        if value == 2:
+            model_management.interrupt_current_processing()
+
+    with (
+        ProgressHook(comfy, also=interrupt_at_step_two) as hook,
+        pytest.raises(model_management.InterruptProcessingException),
+    ):
+        Prompt(comfy, GRAPH).call("2", **sampler_inputs(chain.embeds, steps=10, keep_loaded=True))
+    assert [value for value, _total, _preview in hook.calls] == [1, 2]
+    assert not model_management.processing_interrupted()
+    assert load_spy.alive("transformer") == [False]
+    assert len(cache) == 0
 
 
 def test_memory_report_collects_the_prompt_stages(chain):
