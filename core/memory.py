@@ -154,7 +154,7 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         if report is not None:
             report.add(record)
         free_memory()
-        logger.info("stage %s: %s", name, " | ".join(record.cells()[1:]))
+        logger.info("stage %s", " | ".join(record.cells()))
 
 
 class History:
