@@ -50,7 +50,7 @@ class QuantoPixArtSampler(io.ComfyNode):
                     "cfg",
                     default=4.5,
                     min=0.0,
-                    max=100.0,
+                    max=sampler.MAX_CFG,
                     step=0.1,
                     round=0.01,
                     tooltip="Classifier-free guidance scale; 1 or less turns guidance off.",
