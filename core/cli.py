@@ -1,4 +1,4 @@
-"""Command line: ``python -m pixart_lowvram demo`` and ``python -m pixart_lowvram generate``."""
+"""Command line: ``python -m pixart_lowvram demo``, ``generate``, and ``queue`` (a workflow on a ComfyUI server)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
+from . import client, memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
 from .devices import PRECISIONS, as_device
 from .models import HUB_IDS, resolve_model
 from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES, Quantization
@@ -92,7 +92,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, help=f"a diffusers PixArt-Σ folder or a hub id, e.g. {HUB_IDS[0]}"
     )
     _add_run_args(gen, size=None)
+    q = sub.add_parser(
+        "queue", help="run an API-format workflow on a running ComfyUI and download its images"
+    )
+    q.add_argument("workflow", type=Path, help="an API-format workflow (e.g. workflows/*_api.json)")
+    q.add_argument("--server", default=client.DEFAULT_SERVER, help="the ComfyUI to queue on")
+    q.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="NODE.INPUT=VALUE",
+        help="set a node's input, typed as its current value (e.g. 2.steps=30); repeatable",
+    )
+    q.add_argument("--prompt", default=None, help="the prompt of every PixArtQ_T5Encode node")
+    q.add_argument("--seed", type=int, default=None, help="every seed input")
+    q.add_argument("--count", type=int, default=1, help="prompts to queue; each increments the seeds by one")
+    q.add_argument("--out", type=Path, default=Path("out"), help="folder for the downloaded images")
+    q.add_argument("--timeout", type=float, default=600.0, help="seconds each prompt may take")
     return parser
+
+
+def queue_workflow(args: argparse.Namespace) -> None:
+    workflow = client.apply_overrides(
+        client.load_workflow(args.workflow), args.sets, prompt=args.prompt, seed=args.seed
+    )
+    outcomes = client.queue(workflow, args.server, args.count, args.out, args.timeout)
+    for outcome in outcomes:
+        print(f"prompt {outcome.prompt_id}: {len(outcome.files)} image(s)")
+        for path in outcome.files:
+            print(f"  {path}")
 
 
 def run(args: argparse.Namespace, model: str) -> dict:
@@ -169,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
     try:
-        if args.command == "cache":
+        if args.command == "queue":
+            queue_workflow(args)
+        elif args.command == "cache":
             show_cache(args.dir or quant_cache.default_dir(), args.clear)
         elif args.command == "demo":
             folder = args.model_dir or default_home() / f"random-{args.preset}"

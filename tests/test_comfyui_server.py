@@ -767,3 +767,80 @@ def test_a_text_encoder_file_that_is_not_t5_is_refused(server, t5_file):
     assert run.status == "error"
     assert run.error["node_id"] == encoder and run.error["exception_type"] == "ValueError"
     assert f"t5_file '{clip}' is not a T5 encoder" in run.error["exception_message"]
+
+
+def queue_command(server: ComfyServer, workflow: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m pixart_lowvram queue`` against the server, as a user runs it."""
+    command = [sys.executable, "-m", "pixart_lowvram", "queue", str(workflow), "--server", server.url, *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=PROMPT_TIMEOUT, check=False, cwd=server.base
+    )
+
+
+# --set for the bundled API workflow: the tiny model at its native size, few steps.
+TINY_SETS = [
+    *(f"--set={key}.model={MODEL}" for key in ("1", "2", "3")),
+    *(f"--set=2.{name}={value}" for name, value in (("width", SIZE), ("height", SIZE), ("steps", STEPS))),
+]
+
+
+def test_queue_command_runs_a_workflow_and_downloads_its_images(server, tmp_path):
+    """The bundled API workflow, set to the tiny model from the command line, queued twice: two prompts
+    with consecutive seeds, both images downloaded into --out."""
+    out = tmp_path / "out"
+    before = set(server.get("/history"))
+    result = queue_command(
+        server, API_WORKFLOW, *TINY_SETS, "--seed", "61", "--count", "2", "--out", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+
+    pngs = sorted(out.rglob("*.png"))
+    assert len(pngs) == 2, result.stdout
+    for png in pngs:
+        assert str(png) in result.stdout
+        with Image.open(png) as image:
+            assert image.size == (SIZE, SIZE)
+    history = server.get("/history")
+    runs = [history[prompt_id] for prompt_id in set(history) - before]
+    assert sorted(entry["prompt"][2]["2"]["inputs"]["seed"] for entry in runs) == [61, 62]
+    assert all(entry["status"]["status_str"] == "success" for entry in runs)
+    for entry in runs:
+        assert f"prompt {entry['prompt'][1]}: 1 image(s)" in result.stdout
+
+
+def test_queue_command_refuses_a_model_the_server_lacks(server, tmp_path):
+    """The bundled workflow as shipped names PixArt-Sigma-XL-2-1024-MS, which this server does not have:
+    the command says so, lists the models it has, and queues nothing."""
+    before = set(server.get("/history"))
+    result = queue_command(server, API_WORKFLOW, "--out", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert (
+        "node 1 (PixArtQ_T5Encode) input 'model': 'PixArt-Sigma-XL-2-1024-MS' is not on the server"
+        in result.stderr
+    )
+    available = result.stderr.split("available: ")[1].splitlines()[0].split(", ")
+    assert MODEL in available and HUB_ID in available
+    assert set(server.get("/history")) == before
+    queue = server.get("/queue")
+    assert queue["queue_running"] == [] and queue["queue_pending"] == []
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("assignment", "messages"),
+    [
+        # refused by POST /prompt: a 400 with node_errors
+        ("2.width=72", ["node 2 (PixArtQ_Sampler): ", "width 72 is not a multiple of 16"]),
+        # failed while running: execution_error in /history
+        (
+            "4.filename_prefix=../evil",
+            ["failed in node 4 (PixArtQ_MemorySnapshot): ValueError: ", "filename_prefix '../evil'"],
+        ),
+    ],
+)
+def test_queue_command_exits_with_the_servers_error(server, tmp_path, assignment, messages):
+    args = [*TINY_SETS, f"--set={assignment}", "--out", str(tmp_path / "out")]
+    result = queue_command(server, API_WORKFLOW, *args)
+    assert result.returncode == 2
+    for message in messages:
+        assert message in result.stderr

@@ -67,6 +67,7 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
         for name in (
             "cache",
             "cli",
+            "client",
             "devices",
             "memory",
             "models",

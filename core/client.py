@@ -1,0 +1,401 @@
+"""Queue an API-format workflow on a running ComfyUI and fetch its images: ``python -m pixart_lowvram queue``.
+
+Talks to one server only. The workflow is checked against the server's ``/object_info`` before
+anything is queued; each prompt is submitted with a ``prompt_id`` made here, followed on the websocket
+for progress, and judged by ``/history/<prompt_id>``.
+
+ComfyUI (0.8) takes the ``prompt_id`` of a POST /prompt as given and does not refuse one it has
+already queued or run: a second POST with the same id queues the job again (and overwrites its
+history entry). So a submit that failed on the connection is retried with the same id only after
+``/queue`` and ``/history`` show that id unknown to the server.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import requests
+import websocket
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVER = "http://127.0.0.1:8188"
+HTTP_TIMEOUT = (5.0, 30.0)  # seconds: connect, read
+SUBMIT_ATTEMPTS = 3
+RETRY_PAUSE = 2.0  # seconds; lets a request that did reach the server land in its queue first
+POLL = 2.0  # seconds between /history checks while the websocket is quiet
+T5_ENCODE = "PixArtQ_T5Encode"
+ENDED = ("execution_success", "execution_error", "execution_interrupted")
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class ClientError(RuntimeError):
+    """Something the user can fix or the server refused; the message says which."""
+
+
+# ---- the workflow, without a server ----------------------------------------------------------
+
+
+def load_workflow(path: Path) -> dict:
+    try:
+        workflow = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ClientError(f"{path} is not JSON: {exc}") from exc
+    if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
+        raise ClientError(
+            f"{path} is a UI-format workflow; queue the API format "
+            "(ComfyUI: Workflow > Export (API), or the *_api.json files in workflows/)"
+        )
+    if not isinstance(workflow, dict) or not all(
+        isinstance(node, dict) and "class_type" in node for node in workflow.values()
+    ):
+        raise ClientError(f"{path} is not an API-format workflow (a dict of node id -> class_type, inputs)")
+    return workflow
+
+
+def _convert(text: str, current: object, where: str) -> object:
+    """``text`` as the type of the input's current value."""
+    if isinstance(current, list):
+        raise ClientError(f"{where} is linked to node {current[0]!r}; --set sets widget values only")
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in TRUE + FALSE:
+                raise ValueError
+            return text.lower() in TRUE
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}[type(current)]
+        raise ClientError(f"{where}: {text!r} is not {kind} (the current value is {current!r})") from None
+    if isinstance(current, str):
+        return text
+    raise ClientError(f"{where} holds {current!r}; --set handles int, float, bool and str inputs")
+
+
+def set_input(workflow: dict, assignment: str) -> None:
+    """Apply one ``NODE.INPUT=VALUE`` to ``workflow`` in place, keeping the input's type."""
+    target, sep, text = assignment.partition("=")
+    node, dot, name = target.rpartition(".")
+    if not sep or not dot or not node or not name:
+        raise ClientError(f"--set {assignment!r}: expected NODE.INPUT=VALUE, e.g. 2.steps=30")
+    if node not in workflow:
+        raise ClientError(
+            f"--set {assignment!r}: no node {node!r}; the workflow's nodes: {', '.join(workflow)}"
+        )
+    inputs = workflow[node].setdefault("inputs", {})
+    where = f"node {node} ({workflow[node]['class_type']}) input {name!r}"
+    if name not in inputs:
+        raise ClientError(f"--set {assignment!r}: {where} does not exist; its inputs: {', '.join(inputs)}")
+    inputs[name] = _convert(text, inputs[name], where)
+
+
+def seed_inputs(workflow: dict) -> list[tuple[str, str]]:
+    """(node id, input name) of every ``seed`` input that holds a number (not a link)."""
+    return [
+        (key, "seed")
+        for key, node in workflow.items()
+        if isinstance(node.get("inputs", {}).get("seed"), int)
+        and not isinstance(node["inputs"]["seed"], bool)
+    ]
+
+
+def apply_overrides(
+    workflow: dict,
+    sets: Iterable[str] = (),
+    prompt: str | None = None,
+    seed: int | None = None,
+) -> dict:
+    """A copy of ``workflow`` with ``--set`` assignments, ``--prompt`` and ``--seed`` applied."""
+    workflow = copy.deepcopy(workflow)
+    for assignment in sets:
+        set_input(workflow, assignment)
+    if prompt is not None:
+        encoders = [node for node in workflow.values() if node["class_type"] == T5_ENCODE]
+        if not encoders:
+            raise ClientError(f"--prompt: the workflow has no {T5_ENCODE} node")
+        for node in encoders:
+            node["inputs"]["prompt"] = prompt
+    if seed is not None:
+        targets = seed_inputs(workflow)
+        if not targets:
+            raise ClientError("--seed: the workflow has no node with a seed input")
+        for key, name in targets:
+            workflow[key]["inputs"][name] = seed
+    return workflow
+
+
+def expand(workflow: dict, count: int) -> list[dict]:
+    """``count`` copies of ``workflow``, every seed input incremented by one per copy."""
+    if count < 1:
+        raise ClientError(f"--count {count}: must be 1 or more")
+    prompts = []
+    for index in range(count):
+        copied = copy.deepcopy(workflow)
+        for key, name in seed_inputs(copied):
+            copied[key]["inputs"][name] += index
+        prompts.append(copied)
+    return prompts
+
+
+def _combo_options(spec: object) -> list | None:
+    """The allowed values of an /object_info input spec, or None when it is not a combo."""
+    if not isinstance(spec, list) or not spec:
+        return None
+    kind, options = spec[0], spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if isinstance(kind, list):
+        return kind
+    if kind == "COMBO":
+        return list(options.get("options", []))
+    return None
+
+
+def check_workflow(workflow: dict, object_info: dict) -> list[str]:
+    """What the server lacks for ``workflow``: node types it does not have, and combo values (models,
+    files, choices) not in its option lists. Empty when the workflow can be queued."""
+    problems = []
+    for key, node in workflow.items():
+        class_type = node["class_type"]
+        info = object_info.get(class_type)
+        if info is None:
+            problems.append(
+                f"node {key}: the server has no node type {class_type!r} "
+                "(is the pack, or the pack that provides it, installed in its custom_nodes?)"
+            )
+            continue
+        declared = {**info.get("input", {}).get("required", {}), **info.get("input", {}).get("optional", {})}
+        for name, value in node.get("inputs", {}).items():
+            options = _combo_options(declared.get(name))
+            if options is None or isinstance(value, list) or value in options:
+                continue
+            available = ", ".join(map(str, options)) or "(none)"
+            problems.append(
+                f"node {key} ({class_type}) input {name!r}: {value!r} is not on the server; "
+                f"available: {available}"
+            )
+    return problems
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    prompt_id: str
+    files: list[Path]
+
+
+class Client:
+    """One ComfyUI server at ``url``; every request has bounded connect/read timeouts."""
+
+    def __init__(self, url: str = DEFAULT_SERVER, timeout: tuple[float, float] = HTTP_TIMEOUT) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.client_id = uuid.uuid4().hex
+        self.session = requests.Session()
+
+    def _request(self, method: str, path: str, **kwargs) -> requests.Response:
+        try:
+            return self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
+        except requests.RequestException as exc:
+            raise ClientError(f"could not reach ComfyUI at {self.url} ({method} {path}): {exc}") from exc
+
+    def get(self, path: str, **params) -> dict:
+        response = self._request("GET", path, params=params or None)
+        if not response.ok:
+            raise ClientError(f"ComfyUI GET {path} answered {response.status_code}: {response.text[:2000]}")
+        return response.json()
+
+    def check(self, workflow: dict) -> None:
+        problems = check_workflow(workflow, self.get("/object_info"))
+        if problems:
+            raise ClientError(
+                f"the workflow cannot run on {self.url}:\n" + "\n".join(f"  {p}" for p in problems)
+            )
+
+    def knows(self, prompt_id: str) -> bool:
+        """Whether the server has ``prompt_id`` running, pending or in its history."""
+        queue = self.get("/queue")
+        items = queue.get("queue_running", []) + queue.get("queue_pending", [])
+        return any(item[1] == prompt_id for item in items) or prompt_id in self.get(f"/history/{prompt_id}")
+
+    def submit(self, workflow: dict, prompt_id: str) -> None:
+        """POST /prompt with ``prompt_id``; after a connection failure, submit again (same id) only once
+        the server has answered that it does not have it."""
+        body = {"prompt": workflow, "client_id": self.client_id, "prompt_id": prompt_id}
+        failure: Exception | None = None
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+            if failure is not None:
+                time.sleep(RETRY_PAUSE)
+                try:
+                    if self.knows(prompt_id):
+                        logger.info("prompt %s reached the server; not submitting it again", prompt_id)
+                        return
+                except ClientError as exc:
+                    failure = exc  # whether it landed is unknown: do not post it again blind
+                    continue
+            try:
+                response = self.session.post(self.url + "/prompt", json=body, timeout=self.timeout)
+                break
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                logger.warning("POST /prompt failed (attempt %d of %d): %s", attempt, SUBMIT_ATTEMPTS, exc)
+                failure = exc
+        else:
+            raise ClientError(f"could not queue the prompt on {self.url}: {failure}")
+        if response.status_code == 400:
+            raise ClientError(refusal_text(response))
+        if not response.ok:
+            raise ClientError(f"ComfyUI POST /prompt answered {response.status_code}: {response.text[:2000]}")
+
+    def connect(self) -> websocket.WebSocket | None:
+        """The websocket for progress messages, or None (progress is then read from /history alone)."""
+        ws_url = self.url.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        try:
+            return websocket.create_connection(
+                f"{ws_url}/ws?clientId={self.client_id}", timeout=self.timeout[0]
+            )
+        except (OSError, websocket.WebSocketException) as exc:
+            logger.warning("no websocket at %s (%s); following the prompt through /history", ws_url, exc)
+            return None
+
+    def wait(self, ws: websocket.WebSocket | None, prompt_id: str, timeout: float, label: str) -> dict:
+        """Follow ``prompt_id`` until /history has it; return its history entry."""
+        deadline = time.monotonic() + timeout
+        with tqdm(desc=label, unit="step", leave=True) as bar:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ClientError(
+                        f"prompt {prompt_id} did not finish within {timeout:g} s (--timeout); it may still "
+                        f"be queued or running on {self.url}"
+                    )
+                done = False
+                if ws is not None:
+                    try:
+                        done = self._read(ws, prompt_id, min(remaining, POLL), bar)
+                    except websocket.WebSocketTimeoutException:
+                        pass
+                    except (OSError, websocket.WebSocketException) as exc:
+                        logger.warning("websocket closed (%s); following the prompt through /history", exc)
+                        ws = None
+                else:
+                    time.sleep(min(remaining, POLL))
+                history = self.get(f"/history/{prompt_id}")
+                if prompt_id in history:
+                    return history[prompt_id]
+                if done:
+                    # execution_success comes just before the history entry is written.
+                    time.sleep(0.1)
+
+    @staticmethod
+    def _read(ws: websocket.WebSocket, prompt_id: str, timeout: float, bar: tqdm) -> bool:
+        """Read messages for up to ``timeout`` seconds; True once the prompt reports it has ended."""
+        ws.settimeout(timeout)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            raw = ws.recv()
+            if isinstance(raw, bytes):  # a preview image
+                continue
+            message = json.loads(raw)
+            kind, data = message.get("type"), message.get("data") or {}
+            if data.get("prompt_id") != prompt_id:
+                continue
+            if kind == "progress":
+                bar.total = data.get("max")
+                bar.n = data.get("value", 0)
+                bar.set_postfix_str(f"node {data.get('node')}", refresh=False)
+                bar.refresh()
+            elif kind in ENDED or (kind == "executing" and data.get("node") is None):
+                return True
+        return False
+
+    def download(self, entry: dict, out: Path) -> list[Path]:
+        """Every output image of a history entry, into ``out`` (keeping ComfyUI's subfolder)."""
+        files = []
+        for node_output in entry.get("outputs", {}).values():
+            for image in node_output.get("images", []):
+                if image.get("type") != "output":
+                    continue  # temp previews (Preview Image) are not results
+                subfolder = PurePosixPath(image.get("subfolder") or "")
+                name = PurePosixPath(image["filename"])
+                if ".." in subfolder.parts or subfolder.is_absolute() or len(name.parts) != 1:
+                    raise ClientError(f"refusing the server's output path {subfolder / name}")
+                params = {"filename": name.name, "subfolder": image.get("subfolder") or "", "type": "output"}
+                response = self._request("GET", "/view", params=params)
+                if not response.ok:
+                    raise ClientError(f"GET /view {params} answered {response.status_code}: {response.text}")
+                path = out.joinpath(*subfolder.parts, name.name)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(response.content)
+                files.append(path)
+        return files
+
+
+def refusal_text(response: requests.Response) -> str:
+    """A 400 from POST /prompt as text: the error, and each node's errors."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"ComfyUI refused the prompt: {response.text[:2000]}"
+    error = body.get("error") or {}
+    lines = [f"ComfyUI refused the prompt: {error.get('message', '')} {error.get('details', '')}".rstrip()]
+    for key, node in (body.get("node_errors") or {}).items():
+        for item in node.get("errors", []):
+            lines.append(
+                f"  node {key} ({node.get('class_type')}): {item.get('message')}: {item.get('details')}"
+            )
+    return "\n".join(lines)
+
+
+def failure_text(prompt_id: str, entry: dict) -> str:
+    """Why a prompt did not succeed, from its history entry's status messages."""
+    status = entry.get("status") or {}
+    for kind, data in status.get("messages", []):
+        if kind == "execution_error":
+            return (
+                f"prompt {prompt_id} failed in node {data.get('node_id')} ({data.get('node_type')}): "
+                f"{data.get('exception_type')}: {data.get('exception_message')}"
+            )
+        if kind == "execution_interrupted":
+            return (
+                f"prompt {prompt_id} was interrupted in node {data.get('node_id')} ({data.get('node_type')})"
+            )
+    return f"prompt {prompt_id} ended with status {status.get('status_str')!r}"
+
+
+def queue(
+    workflow: dict,
+    server: str = DEFAULT_SERVER,
+    count: int = 1,
+    out: Path = Path("out"),
+    timeout: float = 600.0,
+) -> list[Outcome]:
+    """Check ``workflow`` against the server, then queue it ``count`` times (seeds incremented), one
+    after another, downloading each prompt's images into ``out``."""
+    prompts = expand(workflow, count)
+    client = Client(server)
+    client.check(workflow)
+    ws = client.connect()
+    outcomes = []
+    try:
+        for index, prompt in enumerate(prompts, 1):
+            prompt_id = str(uuid.uuid4())
+            client.submit(prompt, prompt_id)
+            entry = client.wait(ws, prompt_id, timeout, f"prompt {index}/{len(prompts)}")
+            status = entry.get("status") or {}
+            if status.get("status_str") != "success" or not status.get("completed"):
+                raise ClientError(failure_text(prompt_id, entry))
+            outcomes.append(Outcome(prompt_id, client.download(entry, Path(out))))
+    finally:
+        if ws is not None:
+            ws.close()
+    return outcomes

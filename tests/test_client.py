@@ -1,0 +1,229 @@
+"""The API client's pure parts (no server): --set/--prompt/--seed on a workflow, the check against an
+/object_info answer, seeds per prompt for --count, and the submit that never queues a job twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import requests
+
+from pixart_lowvram.core import client
+from pixart_lowvram.core.client import ClientError, apply_overrides, check_workflow, expand
+
+REPO = Path(__file__).resolve().parents[1]
+API_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic_api.json"
+MODEL = "PixArt-Sigma-XL-2-1024-MS"
+
+
+@pytest.fixture
+def workflow() -> dict:
+    return client.load_workflow(API_WORKFLOW)
+
+
+def object_info(models: list[str], legacy_combo: bool = False) -> dict:
+    """The parts of /object_info the check reads, as ComfyUI 0.8 writes them for V3 nodes (or for
+    legacy nodes, whose combo is the option list itself)."""
+
+    def combo(options: list[str]) -> list:
+        return [options, {}] if legacy_combo else ["COMBO", {"options": options, "tooltip": "…"}]
+
+    return {
+        "PixArtQ_T5Encode": {
+            "input": {
+                "required": {
+                    "model": combo(models),
+                    "prompt": ["STRING", {}],
+                    "quantization": combo(["nf4"]),
+                },
+                "optional": {"t5_file": combo(["(from model)"])},
+            }
+        },
+        "PixArtQ_Sampler": {
+            "input": {
+                "required": {"model": combo(models), "embeds": ["PIXART_EMBEDS", {}], "seed": ["INT", {}]},
+                "optional": {"scheduler": combo(["dpmsolver++", "euler"])},
+            }
+        },
+        "PixArtQ_VAEDecode": {"input": {"required": {"model": combo(models), "tiling": combo(["auto"])}}},
+        "PixArtQ_MemorySnapshot": {"input": {"required": {"value": ["*", {}]}}},
+        "SaveImage": {"input": {"required": {"images": ["IMAGE", {}]}}},
+    }
+
+
+def test_set_keeps_each_inputs_type(workflow):
+    sets = ["2.steps=30", "2.cfg=7", "2.keep_loaded=true", "1.negative_prompt=blurry, dark", "3.tiling=off"]
+    changed = apply_overrides(workflow, sets)
+    sampler = changed["2"]["inputs"]
+    assert sampler["steps"] == 30 and type(sampler["steps"]) is int
+    assert sampler["cfg"] == 7.0 and type(sampler["cfg"]) is float
+    assert sampler["keep_loaded"] is True
+    assert changed["1"]["inputs"]["negative_prompt"] == "blurry, dark"
+    assert changed["3"]["inputs"]["tiling"] == "off"
+    assert workflow["2"]["inputs"]["steps"] == 20, "the workflow passed in is not changed"
+    assert apply_overrides(workflow, ["2.keep_loaded=0"])["2"]["inputs"]["keep_loaded"] is False
+
+
+@pytest.mark.parametrize(
+    ("assignment", "message"),
+    [
+        ("9.steps=3", "no node '9'; the workflow's nodes: 1, 2, 3, 4, 5"),
+        ("2.step=3", "node 2 (PixArtQ_Sampler) input 'step' does not exist; its inputs: model, embeds"),
+        ("2.steps=many", "'many' is not an integer (the current value is 20)"),
+        ("2.cfg=high", "'high' is not a number"),
+        ("2.keep_loaded=maybe", "'maybe' is not true or false"),
+        ("2.embeds=x", "is linked to node '1'; --set sets widget values only"),
+        ("steps=3", "expected NODE.INPUT=VALUE"),
+        ("2.steps", "expected NODE.INPUT=VALUE"),
+    ],
+)
+def test_set_refuses_what_it_cannot_apply(workflow, assignment, message):
+    with pytest.raises(ClientError) as caught:
+        apply_overrides(workflow, [assignment])
+    assert message in str(caught.value)
+
+
+def test_prompt_and_seed_reach_every_matching_input(workflow):
+    workflow["6"] = {"class_type": "PixArtQ_T5Encode", "inputs": {"prompt": "other", "model": MODEL}}
+    workflow["7"] = {"class_type": "KSampler", "inputs": {"seed": 3}}
+    changed = apply_overrides(workflow, ["2.seed=5"], prompt="a blue dog", seed=42)
+    assert [changed[key]["inputs"]["prompt"] for key in ("1", "6")] == ["a blue dog"] * 2
+    assert [changed[key]["inputs"]["seed"] for key in ("2", "7")] == [42, 42]
+
+
+def test_prompt_and_seed_need_a_node_to_set():
+    bare = {"5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0]}}}
+    with pytest.raises(ClientError, match="--prompt: the workflow has no PixArtQ_T5Encode node"):
+        apply_overrides(bare, prompt="x")
+    with pytest.raises(ClientError, match="--seed: the workflow has no node with a seed input"):
+        apply_overrides(bare, seed=1)
+
+
+def test_count_increments_every_seed(workflow):
+    workflow["7"] = {"class_type": "KSampler", "inputs": {"seed": 100}}
+    prompts = expand(apply_overrides(workflow, seed=7), 3)
+    assert [p["2"]["inputs"]["seed"] for p in prompts] == [7, 8, 9]
+    assert [p["7"]["inputs"]["seed"] for p in prompts] == [7, 8, 9]
+    assert [p["2"]["inputs"]["seed"] for p in expand(workflow, 2)] == [0, 1], "the workflow's own seed"
+    linked = {"2": {"class_type": "X", "inputs": {"seed": ["1", 0]}}}
+    assert expand(linked, 2) == [linked, linked], "a linked seed is left alone"
+    with pytest.raises(ClientError, match="--count 0"):
+        expand(workflow, 0)
+
+
+@pytest.mark.parametrize("legacy_combo", [False, True])
+def test_check_passes_a_workflow_the_server_can_run(workflow, legacy_combo):
+    assert check_workflow(workflow, object_info([MODEL, "tiny"], legacy_combo)) == []
+
+
+def test_check_names_missing_node_types_and_models(workflow):
+    info = object_info(["tiny-pixart", "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"])
+    del info["PixArtQ_MemorySnapshot"]
+    problems = check_workflow(apply_overrides(workflow, ["2.scheduler=heun"]), info)
+    available = "available: tiny-pixart, PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
+    assert problems == [
+        f"node 1 (PixArtQ_T5Encode) input 'model': '{MODEL}' is not on the server; {available}",
+        f"node 2 (PixArtQ_Sampler) input 'model': '{MODEL}' is not on the server; {available}",
+        "node 2 (PixArtQ_Sampler) input 'scheduler': 'heun' is not on the server; available: dpmsolver++, euler",
+        f"node 3 (PixArtQ_VAEDecode) input 'model': '{MODEL}' is not on the server; {available}",
+        "node 4: the server has no node type 'PixArtQ_MemorySnapshot' "
+        "(is the pack, or the pack that provides it, installed in its custom_nodes?)",
+    ]
+    assert "available: (none)" in check_workflow(workflow, object_info([]))[0]
+
+
+def test_ui_format_workflow_is_refused(tmp_path):
+    with pytest.raises(ClientError, match="UI-format workflow; queue the API format"):
+        client.load_workflow(REPO / "workflows" / "pixart_lowvram_basic.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"1": {"inputs": {}}}))
+    with pytest.raises(ClientError, match="not an API-format workflow"):
+        client.load_workflow(bad)
+
+
+class FlakyServer:
+    """A requests.Session stand-in: POST /prompt fails on the connection ``failures`` times (after
+    ``reached`` of those the server had queued the prompt anyway); GET /queue and /history answer from
+    what was queued."""
+
+    def __init__(self, failures: int, reached: int = 0) -> None:
+        self.failures, self.reached = failures, reached
+        self.queued: list[str] = []
+        self.posts = 0
+
+    def post(self, url, json, timeout):
+        self.posts += 1
+        if self.posts <= self.failures:
+            if self.posts <= self.reached:
+                self.queued.append(json["prompt_id"])
+            raise requests.ConnectionError("connection reset")
+        self.queued.append(json["prompt_id"])
+        response = requests.Response()
+        response.status_code = 200
+        return response
+
+    def request(self, method, url, timeout, params=None):
+        response = requests.Response()
+        response.status_code = 200
+        if url.endswith("/queue"):
+            body = {"queue_running": [], "queue_pending": [[0, pid, {}, {}, []] for pid in self.queued]}
+        else:
+            body = {}
+        response._content = client.json.dumps(body).encode()
+        return response
+
+
+@pytest.mark.parametrize(("failures", "reached", "posts"), [(1, 0, 2), (2, 0, 3), (1, 1, 1)])
+def test_submit_retries_with_the_same_id_and_never_queues_twice(monkeypatch, failures, reached, posts):
+    monkeypatch.setattr(client, "RETRY_PAUSE", 0)
+    server = FlakyServer(failures, reached)
+    api = client.Client("http://127.0.0.1:1")
+    api.session = server
+    api.submit({"1": {"class_type": "X", "inputs": {}}}, "the-id")
+    assert server.queued == ["the-id"] and server.posts == posts
+
+
+def test_submit_gives_up_after_its_attempts(monkeypatch):
+    monkeypatch.setattr(client, "RETRY_PAUSE", 0)
+    api = client.Client("http://127.0.0.1:1")
+    api.session = FlakyServer(failures=client.SUBMIT_ATTEMPTS)
+    with pytest.raises(ClientError, match=r"could not queue the prompt on http://127\.0\.0\.1:1"):
+        api.submit({}, "the-id")
+
+
+def test_refusal_text_names_each_nodes_error():
+    response = requests.Response()
+    response.status_code = 400
+    response._content = json.dumps(
+        {
+            "error": {"message": "Prompt outputs failed validation", "details": ""},
+            "node_errors": {
+                "2": {
+                    "class_type": "PixArtQ_Sampler",
+                    "errors": [{"message": "Value not in list", "details": "model: 'x' not in [...]"}],
+                }
+            },
+        }
+    ).encode()
+    assert client.refusal_text(response) == (
+        "ComfyUI refused the prompt: Prompt outputs failed validation\n"
+        "  node 2 (PixArtQ_Sampler): Value not in list: model: 'x' not in [...]"
+    )
+
+
+class UnreachableAfterPost(FlakyServer):
+    """The first POST fails on the connection and the server then stops answering."""
+
+    def request(self, method, url, timeout, params=None):
+        raise requests.ConnectionError("connection refused")
+
+
+def test_submit_does_not_post_again_while_it_cannot_tell_whether_the_first_landed(monkeypatch):
+    monkeypatch.setattr(client, "RETRY_PAUSE", 0)
+    server = UnreachableAfterPost(failures=1, reached=1)
+    api = client.Client("http://127.0.0.1:1")
+    api.session = server
+    with pytest.raises(ClientError, match="could not queue the prompt"):
+        api.submit({}, "the-id")
+    assert server.posts == 1 and server.queued == ["the-id"]
