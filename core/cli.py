@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import client, memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
+from . import memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
 from .devices import PRECISIONS, as_device
 from .models import HUB_IDS, resolve_model
 from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES, Quantization
@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "queue", help="run an API-format workflow on a running ComfyUI and download its images"
     )
     q.add_argument("workflow", type=Path, help="an API-format workflow (e.g. workflows/*_api.json)")
-    q.add_argument("--server", default=client.DEFAULT_SERVER, help="the ComfyUI to queue on")
+    q.add_argument(
+        "--server", default=None, help="the ComfyUI to queue on (default: this machine's, port 8188)"
+    )
     q.add_argument(
         "--set",
         dest="sets",
@@ -114,10 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def queue_workflow(args: argparse.Namespace) -> None:
+    # Imported here: the HTTP and websocket libraries are needed by this command alone.
+    from . import client
+
     workflow = client.apply_overrides(
         client.load_workflow(args.workflow), args.sets, prompt=args.prompt, seed=args.seed
     )
-    outcomes = client.queue(workflow, args.server, args.count, args.out, args.timeout)
+    server = args.server or client.DEFAULT_SERVER
+    outcomes = client.queue(workflow, server, args.count, args.out, args.timeout)
     for outcome in outcomes:
         print(f"prompt {outcome.prompt_id}: {len(outcome.files)} image(s)")
         for path in outcome.files:

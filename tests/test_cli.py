@@ -82,3 +82,17 @@ def test_generate_rejects_bad_arguments_before_loading(tiny_folder, tmp_path, lo
     assert cli.main([*argv, "--device", "cpu", "--no-snapshot", *bad]) == 2
     assert bad[1] in capsys.readouterr().err
     assert load_spy.total() == 0
+
+
+def test_only_the_queue_command_needs_the_http_libraries(tmp_path):
+    # GPU machines and minimal installs may lack requests/websocket-client; demo, generate and cache
+    # must not import them.
+    code = (
+        "import sys; sys.modules['requests'] = None; sys.modules['websocket'] = None\n"
+        "from pixart_lowvram.core.cli import main\n"
+        "raise SystemExit(main(['cache', '--dir', sys.argv[1]]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
