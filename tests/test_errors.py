@@ -263,3 +263,26 @@ def test_prefix_cannot_leave_its_folder(tmp_path, prefix):
 def test_prefix_accepted(tmp_path, prefix):
     assert outputs.check_prefix(prefix) == prefix
     assert outputs.next_stem(tmp_path, prefix) == tmp_path / f"{prefix}_00001"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "capability", "ok", "advice"),
+    [
+        ("nf4", (6, 0), True, None),
+        ("nf4", (5, 2), False, "'none'"),
+        ("int8", (7, 5), True, None),
+        ("int8", (6, 1), False, "'nf4'"),
+        ("fp4", (9, 0), True, None),
+    ],
+)
+def test_bitsandbytes_gpu_generation_is_checked(scheme, capability, ok, advice):
+    from pixart_lowvram.core.quant.bitsandbytes import check_capability
+
+    if ok:
+        check_capability(scheme, capability, "some GPU")
+        return
+    with pytest.raises(RuntimeError) as error:
+        check_capability(scheme, capability, "GeForce GTX 970")
+    message = str(error.value)
+    assert scheme in message and "GeForce GTX 970" in message and advice in message
+    assert f"{capability[0]}.{capability[1]}" in message

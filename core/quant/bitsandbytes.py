@@ -22,6 +22,15 @@ class BitsAndBytesBackend(QuantBackend):
     # bitsandbytes has native kernels for these; on the CPU its packed 4-bit path needs layer widths
     # divisible by 64, which every published T5 has.
     device_types = frozenset({"cpu", "cuda", "xpu"})
+    # NVIDIA compute capability bitsandbytes' kernels need: 4-bit from Pascal, LLM.int8() from Turing.
+    MIN_CAPABILITY = {"nf4": (6, 0), "nf4-recipe": (6, 0), "fp4": (6, 0), "int8": (7, 5)}
+
+    def require(self, scheme: str, device: torch.device) -> None:
+        super().require(scheme, device)
+        if device.type == "cuda" and torch.version.cuda and torch.cuda.is_available():
+            check_capability(
+                scheme, torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+            )
 
     def load_kwargs(self, scheme: str, compute_dtype: torch.dtype) -> dict[str, Any]:
         from transformers import BitsAndBytesConfig
@@ -44,3 +53,13 @@ class BitsAndBytesBackend(QuantBackend):
 
     def describe(self, scheme: str) -> str:
         return f"bitsandbytes {scheme}"
+
+
+def check_capability(scheme: str, capability: tuple[int, int], gpu: str) -> None:
+    needed = BitsAndBytesBackend.MIN_CAPABILITY[scheme]
+    if tuple(capability) < needed:
+        fallback = "nf4" if tuple(capability) >= BitsAndBytesBackend.MIN_CAPABILITY["nf4"] else "none"
+        raise RuntimeError(
+            f"quantization {scheme!r} needs an NVIDIA GPU of compute capability {needed[0]}.{needed[1]} or newer "
+            f"(bitsandbytes); {gpu} has {capability[0]}.{capability[1]}. Choose quantization {fallback!r} instead."
+        )
