@@ -192,8 +192,7 @@ def show_cache(folder: Path, clear: bool) -> None:
     entries = quant_cache.entries(folder)
     print(f"pre-quantized weight cache: {folder} ({len(entries)} entries)")
     for entry in entries:
-        size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-        print(f"  {entry.name}  {memory.format_bytes(size)}")
+        print(f"  {entry.name}  {memory.format_bytes(quant_cache.size(entry))}")
     if clear:
         print(f"cleared {memory.format_bytes(quant_cache.clear(folder))}")
 

@@ -88,6 +88,11 @@ def load_or_build(
     return model
 
 
+def size(entry: Path) -> int:
+    """Bytes on disk under ``entry``."""
+    return sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+
+
 def entries(root: Path) -> list[Path]:
     return sorted(p for p in root.glob("*-*") if p.is_dir()) if root.is_dir() else []
 
@@ -98,6 +103,6 @@ def clear(root: Path) -> int:
     if root.is_dir():
         for path in root.iterdir():
             if path.is_dir():
-                freed += sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+                freed += size(path)
                 shutil.rmtree(path)
     return freed

@@ -48,10 +48,7 @@ CUSTOM_RESOLUTION = "custom"
 
 
 def check_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a whole number of pixels, got {value!r}.")
-    if not MIN_SIZE <= value <= MAX_SIZE:
-        raise ValueError(f"{name} {value} is out of range; use {MIN_SIZE}..{MAX_SIZE} pixels.")
+    _check_number(name, value, MIN_SIZE, MAX_SIZE, whole=True, hint=" pixels")
     if value % SIZE_MULTIPLE:
         lower = value - value % SIZE_MULTIPLE
         raise ValueError(
