@@ -122,3 +122,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "comfyui" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, tiny_folder):
+    """A real ComfyUI server for the test module (the ``comfyui`` tier; see comfyui_support.py)."""
+    from comfyui_support import running_server
+
+    with running_server(request, tmp_path_factory.mktemp("comfyui"), tiny_folder) as started:
+        yield started

@@ -2,7 +2,7 @@
 queued through POST /prompt and followed on the websocket (progress, previews, Cancel), errors as the
 user sees them, and kept models released by Free VRAM.
 
-One server (``--cpu --preview-method auto``) runs for the module on a free local port, in a temporary
+One server (``--cpu --preview-method auto``, comfyui_support.py) runs for the module on a free local port, in a temporary
 base directory whose custom_nodes/ links to this repository and whose models/diffusers/ holds the tiny
 random model.
 Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON names its interpreter (default: this one).
@@ -10,321 +10,37 @@ Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON names its interpreter (d
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import shutil
-import signal
-import socket
-import struct
 import subprocess
 import sys
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
+from comfyui_support import (
+    API_WORKFLOW,
+    HTTP_TIMEOUT,
+    HUB_ID,
+    MATCH_TYPE,
+    MODEL,
+    MODEL_NODES,
+    NODE_IDS,
+    PREVIEW_SIZE,
+    PROMPT_TIMEOUT,
+    SIZE,
+    STEPS,
+    UI_WORKFLOW,
+    WIDGET_TYPES,
+    ComfyServer,
+    basic_prompt,
+    free_vram_prompt,
+    new_files,
+    node_id,
+)
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
-API_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic_api.json"
-UI_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic.json"
-
-NODE_IDS = (
-    "PixArtQ_T5Encode",
-    "PixArtQ_Sampler",
-    "PixArtQ_VAEDecode",
-    "PixArtQ_FreeVRAM",
-    "PixArtQ_MemorySnapshot",
-)
-MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
-HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
-MODEL = "tiny-pixart"
-SIZE, STEPS = 64, 3  # the tiny model's native size
-
-START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 s
-PROMPT_TIMEOUT = 300
-HTTP_TIMEOUT = 30
-WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-MATCH_TYPE = "COMFY_MATCHTYPE_V3"
-# protocol.BinaryEventTypes: a preview with its node and prompt ids, sent to clients that announce
-# supports_preview_metadata as ComfyUI's web UI does.
-PREVIEW_IMAGE_WITH_METADATA = 4
-PREVIEW_SIZE = 512  # ComfyUI's --preview-size default: it scales every preview to fit this square
-
-
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
-
-
-@dataclass
-class Preview:
-    """A preview image sent over the websocket as a binary frame during a node's run."""
-
-    node: str
-    mimetype: str
-    data: bytes
-
-    def image(self) -> Image.Image:
-        image = Image.open(io.BytesIO(self.data))
-        image.load()
-        return image
-
-
-@dataclass
-class Run:
-    """One prompt as the client saw it: its websocket messages and previews in order, and its /history
-    entry."""
-
-    prompt_id: str
-    messages: list[tuple[str, dict]]
-    previews: list[Preview]
-    history: dict
-
-    @property
-    def status(self) -> str:
-        return self.history["status"]["status_str"]
-
-    @property
-    def outputs(self) -> dict:
-        return self.history["outputs"]
-
-    def of_type(self, kind: str) -> list[dict]:
-        return [data for message_type, data in self.messages if message_type == kind]
-
-    @property
-    def error(self) -> dict | None:
-        errors = self.of_type("execution_error")
-        return errors[0] if errors else None
-
-    @property
-    def executed(self) -> list[str]:
-        """Node ids in the order they ran (cached nodes do not run)."""
-        return [data["node"] for data in self.of_type("executing") if data["node"] is not None]
-
-    def text(self, node_id: str) -> str:
-        return "\n".join(self.outputs[node_id]["text"])
-
-
-@dataclass
-class ComfyServer:
-    url: str
-    base: Path
-    log: Path
-
-    @property
-    def output(self) -> Path:
-        return self.base / "output"
-
-    @property
-    def models(self) -> Path:
-        return self.base / "models" / "diffusers"
-
-    def get(self, path: str) -> dict:
-        response = requests.get(self.url + path, timeout=HTTP_TIMEOUT)
-        response.raise_for_status()
-        return response.json()
-
-    def queue(
-        self, prompt: dict, client_id: str = "", prompt_id: str = "", extra_data: dict | None = None
-    ) -> requests.Response:
-        body = {"prompt": prompt, "client_id": client_id or uuid.uuid4().hex}
-        body["prompt_id"] = prompt_id or str(uuid.uuid4())
-        if extra_data:
-            body["extra_data"] = extra_data
-        return requests.post(self.url + "/prompt", json=body, timeout=HTTP_TIMEOUT)
-
-    def run(
-        self,
-        prompt: dict,
-        timeout: float = PROMPT_TIMEOUT,
-        extra_data: dict | None = None,
-        on_message: OnMessage | None = None,
-    ) -> Run:
-        """Queue ``prompt`` and follow the websocket until ComfyUI reports it done. The client announces
-        preview metadata as the web UI does; ``on_message`` sees each of the prompt's messages as it
-        arrives."""
-        import websocket  # websocket-client: only this tier needs it
-
-        client_id, prompt_id = uuid.uuid4().hex, str(uuid.uuid4())
-        ws = websocket.create_connection(
-            self.url.replace("http://", "ws://") + f"/ws?clientId={client_id}", timeout=HTTP_TIMEOUT
-        )
-        try:
-            flags = {"type": "feature_flags", "data": {"supports_preview_metadata": True}}
-            ws.send(json.dumps(flags))
-            response = self.queue(prompt, client_id, prompt_id, extra_data)
-            assert response.status_code == 200, f"ComfyUI refused the prompt: {response.text}"
-            messages, previews = follow(ws, prompt_id, timeout, on_message)
-        finally:
-            ws.close()
-        return Run(prompt_id, messages, previews, self.get(f"/history/{prompt_id}")[prompt_id])
-
-    def log_text(self, start: int = 0) -> str:
-        with self.log.open("rb") as f:
-            f.seek(start)
-            return f.read().decode("utf-8", "replace")
-
-
-OnMessage = Callable[[str, dict], None]
-
-
-def preview_frame(raw: bytes) -> tuple[dict, Preview] | None:
-    """A binary PREVIEW_IMAGE_WITH_METADATA frame: event type, metadata length, metadata JSON, image."""
-    (event,) = struct.unpack(">I", raw[:4])
-    if event != PREVIEW_IMAGE_WITH_METADATA:
-        return None
-    (length,) = struct.unpack(">I", raw[4:8])
-    metadata = json.loads(raw[8 : 8 + length])
-    return metadata, Preview(metadata["node_id"], metadata["image_type"], raw[8 + length :])
-
-
-def follow(
-    ws, prompt_id: str, timeout: float, on_message: OnMessage | None = None
-) -> tuple[list[tuple[str, dict]], list[Preview]]:
-    """This prompt's messages and previews up to ``executing`` with node None (ComfyUI's "prompt done")."""
-    import websocket
-
-    messages: list[tuple[str, dict]] = []
-    previews: list[Preview] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            pytest.fail(
-                f"prompt {prompt_id} did not finish within {timeout} s; got {[m[0] for m in messages]}"
-            )
-        ws.settimeout(remaining)
-        try:
-            raw = ws.recv()
-        except websocket.WebSocketTimeoutException:
-            continue
-        if isinstance(raw, bytes):
-            frame = preview_frame(raw)
-            if frame is not None and frame[0].get("prompt_id") == prompt_id:
-                previews.append(frame[1])
-            continue
-        message = json.loads(raw)
-        data = message.get("data") or {}
-        if data.get("prompt_id") != prompt_id:
-            continue
-        messages.append((message["type"], data))
-        if on_message is not None:
-            on_message(message["type"], data)
-        if message["type"] == "executing" and data.get("node") is None:
-            return messages, previews
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Terminate the server's whole process group (ComfyUI may start helpers), killing after a grace period."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=20)
-
-
-def wait_until_up(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"ComfyUI exited with code {process.returncode} while starting:\n{log.read_text()}")
-        try:
-            if requests.get(url + "/system_stats", timeout=2).ok:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    stop(process)
-    pytest.fail(f"ComfyUI did not answer /system_stats within {START_TIMEOUT} s:\n{log.read_text()}")
-
-
-@pytest.fixture(scope="module")
-def server(request, tmp_path_factory, tiny_folder):
-    comfyui = Path(os.environ["COMFYUI_PATH"]).resolve()
-    base = tmp_path_factory.mktemp("comfyui")
-    for folder in ("custom_nodes", "models/diffusers", "models/vae_approx", "output", "input", "temp"):
-        (base / folder).mkdir(parents=True)
-    (base / "custom_nodes" / "comfyui-pixart-lowvram").symlink_to(REPO, target_is_directory=True)
-    shutil.copytree(tiny_folder, base / "models" / "diffusers" / MODEL)
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = base / "server.log"
-    command = [
-        os.environ.get("COMFYUI_PYTHON") or sys.executable,
-        "main.py",
-        "--cpu",
-        "--listen",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--base-directory",
-        str(base),
-        "--database-url",
-        f"sqlite:///{base / 'db.sqlite'}",
-        "--disable-auto-launch",
-        # What most users set; in ComfyUI 0.8 "auto" means latent-to-RGB. A prompt's extra_data can
-        # override it (the web UI's preview setting).
-        "--preview-method",
-        "auto",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    failed_before = request.session.testsfailed
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command, cwd=comfyui, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        wait_until_up(process, url, log)
-        yield ComfyServer(url=url, base=base, log=log)
-    finally:
-        stop(process)
-        if request.session.testsfailed > failed_before:
-            capture = request.config.pluginmanager.getplugin("capturemanager")
-            with capture.global_and_fixture_disabled():
-                print(f"\n----- ComfyUI server log ({log}) -----\n{log.read_text()}", file=sys.stderr)
-
-
-def node_id(prompt: dict, class_type: str) -> str:
-    (found,) = [key for key, node in prompt.items() if node["class_type"] == class_type]
-    return found
-
-
-def basic_prompt(model: str = MODEL, **sampler_inputs) -> dict:
-    """The bundled API workflow on the tiny model at its native size, few steps."""
-    prompt = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
-    for node in prompt.values():
-        if "model" in node["inputs"]:
-            node["inputs"]["model"] = model
-    sampler = prompt[node_id(prompt, "PixArtQ_Sampler")]["inputs"]
-    sampler.update({"width": SIZE, "height": SIZE, "steps": STEPS, **sampler_inputs})
-    return prompt
-
-
-def free_vram_prompt() -> dict:
-    """Only Free VRAM (on the encoder's output, cached after the first prompt)."""
-    basic = basic_prompt()
-    encoder = node_id(basic, "PixArtQ_T5Encode")
-    return {
-        encoder: basic[encoder],
-        "free": {"class_type": "PixArtQ_FreeVRAM", "inputs": {"value": [encoder, 0]}},
-    }
-
-
-def new_files(folder: Path, before: set[Path], pattern: str) -> list[Path]:
-    return sorted(set(folder.glob(pattern)) - before)
 
 
 def test_object_info_describes_the_five_nodes(server):
