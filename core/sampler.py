@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import memory
+from . import memory, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource
@@ -235,14 +235,21 @@ def make_scheduler(name: str, config: dict, skip: int = 0):
     return scheduler
 
 
-def _load(source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device):
+def _load(
+    source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device, low_vram: bool = False
+):
+    """The transformer, quantized, on ``device``; with ``low_vram`` quantized in CPU memory and its
+    blocks streamed to ``device`` one at a time (:mod:`streaming`)."""
     from diffusers import PixArtTransformer2DModel
 
     folder = source.folder(["transformer"])
     model = PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype)
     model = quant.after_load(model)
-    model.to(device)
     model.eval()
+    if low_vram:
+        streaming.stream_blocks(model, model.transformer_blocks, device)
+    else:
+        model.to(device)
     return model
 
 
@@ -264,6 +271,7 @@ def sample(
     keep_loaded: bool = False,
     on_step: StepCallback | None = None,
     report: memory.MemoryReport | None = None,
+    low_vram: bool = False,
 ) -> torch.Tensor:
     """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
     ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
@@ -277,7 +285,11 @@ def sample(
 
     The noise is drawn on the CPU from ``seed``, and the same generator feeds the schedulers that add
     noise at every step (ancestral, SDE), so a seed gives the same image on any device.
+
+    ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
     """
+    if not isinstance(low_vram, bool):
+        raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
     if init_latents is not None:
         init_latents = check_init_latents(init_latents)
         height, width = (side * 8 for side in init_latents.shape[-2:])
@@ -324,19 +336,33 @@ def sample(
             device,
             keep_loaded,
             on_step,
+            low_vram,
         )
     return latents / scale
 
 
 def _sample(
-    source, embeds, latents, steps, cfg, schedule, generator, quant, dtype, device, keep_loaded, on_step
+    source,
+    embeds,
+    latents,
+    steps,
+    cfg,
+    schedule,
+    generator,
+    quant,
+    dtype,
+    device,
+    keep_loaded,
+    on_step,
+    low_vram,
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("transformer", source.key, quant.scheme, dtype, str(device))
+    key = ("transformer", source.key, quant.scheme, dtype, str(device), low_vram)
     total = steps - schedule.skip
-    with cache.use(key, lambda: _load(source, quant, dtype, device), keep_loaded) as transformer:
+    load = lambda: _load(source, quant, dtype, device, low_vram)  # noqa: E731
+    with cache.use(key, load, keep_loaded) as transformer:
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
         )

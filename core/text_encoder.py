@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import memory, quant_cache
+from . import memory, quant_cache, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, T5File, read_t5_file
@@ -83,8 +83,11 @@ def _load(
     dtype: torch.dtype,
     device: torch.device,
     cache_dir: Path | None,
+    low_vram: bool = False,
 ):
-    """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache)."""
+    """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache).
+    With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to
+    ``device`` one at a time (:mod:`streaming`); the token embeddings stay on the CPU."""
     from transformers import T5EncoderModel
 
     model_class = T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
@@ -101,9 +104,11 @@ def _load(
         def pretrained() -> dict:
             return {"pretrained_model_name_or_path": origin}
 
+    load_device = torch.device("cpu") if low_vram else device
+
     def from_pretrained(pretrained_model_name_or_path, **kwargs):
         model = model_class.from_pretrained(
-            pretrained_model_name_or_path, dtype=dtype, device_map={"": str(device)}, **kwargs
+            pretrained_model_name_or_path, dtype=dtype, device_map={"": str(load_device)}, **kwargs
         )
         return model.eval()
 
@@ -111,13 +116,20 @@ def _load(
         return quant.after_load(from_pretrained(**pretrained(), **quant.load_kwargs(dtype)))
 
     if cache_dir is None or not quant.enabled:
-        return quantize()
-    return quant_cache.load_or_build(
-        quant_cache.entry(cache_dir, "text_encoder", origin, settings),
-        load=from_pretrained,  # the saved config carries the quantization
-        build=quantize,
-        save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
-    )
+        model = quantize()
+    else:
+        model = quant_cache.load_or_build(
+            quant_cache.entry(cache_dir, "text_encoder", origin, settings),
+            load=from_pretrained,  # the saved config carries the quantization
+            build=quantize,
+            save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
+        )
+    if low_vram:
+        encoder = model.encoder
+        streaming.stream_blocks(
+            model, encoder.block, device, keep_on_cpu=[model.shared, encoder.embed_tokens]
+        )
+    return model
 
 
 def _load_tokenizer(source: ModelSource, fallback: Path | None):
@@ -151,6 +163,7 @@ def encode(
     report: memory.MemoryReport | None = None,
     t5_file: str | os.PathLike | None = None,
     tokenizer_fallback: Path | None = None,
+    low_vram: bool = False,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
     unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
@@ -158,7 +171,10 @@ def encode(
     T5 comes from ``source``'s text_encoder/, or from ``t5_file`` (one safetensors file, e.g. ComfyUI's
     t5xxl_fp16.safetensors); the tokenizer from ``source``'s tokenizer/, else ``tokenizer_fallback``.
     With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
-    (see :mod:`quant_cache`)."""
+    (see :mod:`quant_cache`). ``low_vram`` keeps T5 in CPU memory and streams its layers to the GPU one
+    at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed."""
+    if not isinstance(low_vram, bool):
+        raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if not isinstance(text, str):
             raise TypeError(f"{name} must be text, got {type(text).__name__}.")
@@ -186,17 +202,29 @@ def encode(
             device,
             keep_loaded,
             quant_cache_dir,
+            low_vram,
         )
 
 
 def _encode(
-    source, weights, tokenizer, prompt, negative_prompt, quant, dtype, device, keep_loaded, cache_dir
+    source,
+    weights,
+    tokenizer,
+    prompt,
+    negative_prompt,
+    quant,
+    dtype,
+    device,
+    keep_loaded,
+    cache_dir,
+    low_vram,
 ) -> PixArtEmbeds:
     # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("text_encoder", weights.key, quant.scheme, dtype, str(device))
-    with cache.use(key, lambda: _load(weights, quant, dtype, device, cache_dir), keep_loaded) as text_encoder:
+    key = ("text_encoder", weights.key, quant.scheme, dtype, str(device), low_vram)
+    load = lambda: _load(weights, quant, dtype, device, cache_dir, low_vram)  # noqa: E731
+    with cache.use(key, load, keep_loaded) as text_encoder:
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None

@@ -45,6 +45,17 @@ def keep_loaded_input() -> io.Boolean.Input:
     )
 
 
+def low_vram_input(what: str) -> io.Boolean.Input:
+    return io.Boolean.Input(
+        "low_vram",
+        default=False,
+        optional=True,
+        tooltip=f"Keep {what} in CPU memory and stream them to the GPU one at a time as they run: a few "
+        "hundred MB of VRAM instead of the whole model, somewhat slower. With the VAE's tiling on, a "
+        "1024² image stays under 1 GB.",
+    )
+
+
 def quant_cache_dir() -> Path:
     """Pre-quantized weights: ``$PIXART_LOWVRAM_QUANT_CACHE``, else ``models/pixart_lowvram/quantized``."""
     return Path(

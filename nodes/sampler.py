@@ -109,6 +109,7 @@ class QuantoPixArtSampler(io.ComfyNode):
                     tooltip="With a latent: how much of it is redrawn. 1 starts from noise (the latent gives "
                     "only size and batch), 0 returns it unchanged. Below 1 needs a latent.",
                 ),
+                common.low_vram_input("the transformer's 28 blocks"),
             ],
             outputs=[
                 io.Latent.Output(tooltip="Latents in raw VAE space (divided by the VAE scaling factor).")
@@ -155,6 +156,7 @@ class QuantoPixArtSampler(io.ComfyNode):
         resolution=sampler.CUSTOM_RESOLUTION,
         scheduler=sampler.DEFAULT_SCHEDULER,
         denoise=1.0,
+        low_vram=False,
     ) -> io.NodeOutput:
         width, height = sampler.preset_size(resolution, width, height)
         report = common.begin_stage(cls.hidden.dynprompt)
@@ -175,5 +177,6 @@ class QuantoPixArtSampler(io.ComfyNode):
             keep_loaded=keep_loaded,
             on_step=common.step_callback(sampler.steps_to_run(steps, denoise)),
             report=report,
+            low_vram=low_vram,
         )
         return io.NodeOutput({"samples": samples})

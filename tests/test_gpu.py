@@ -133,3 +133,51 @@ def test_cli_demo_on_cuda_writes_snapshot(tmp_path, cuda):
     assert memory.NO_CUDA not in (out / "pixart_00001_memory.md").read_text()
     assert (out / "pixart_00001_memory.pickle").stat().st_size > 0
     assert (out / "pixart_00001.png").is_file()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize("stage", ["text_encoder", "transformer"])
+def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda, stage, monkeypatch):
+    """While a block runs, only it and the next (prefetched) have weights on the GPU; the result
+    matches the model loaded whole; nothing stays allocated afterwards."""
+    from pixart_lowvram.core import streaming
+
+    on_gpu: list[list[int]] = []
+    original = streaming.BlockStreamer.__init__
+
+    def init(self, blocks, device, prefetch):
+        original(self, blocks, device, prefetch)
+        for block in blocks:
+
+            def spy(_module, _args, _streamer=self):
+                torch.cuda.synchronize()
+                on_gpu.append(
+                    [
+                        i
+                        for i, b in enumerate(_streamer.blocks)
+                        if any(t.device.type == "cuda" for t in b.module.parameters())
+                    ]
+                )
+
+            block.register_forward_pre_hook(spy)  # runs after the streamer's own pre-hook
+
+    monkeypatch.setattr(streaming.BlockStreamer, "__init__", init)
+
+    def run(low_vram):
+        if stage == "text_encoder":
+            return text_encoder.encode(
+                tiny, "a red cat", "dark", device=cuda, low_vram=low_vram
+            ).prompt_embeds
+        return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, low_vram=low_vram)
+
+    whole = run(False)
+    baseline = _settled(lambda: run(True))
+    streamed = run(True)
+    assert torch.cuda.memory_allocated() == baseline, "the streamed stage left device memory allocated"
+    assert _cosine(streamed, whole) > 0.999
+    assert on_gpu and all(len(loaded) <= 2 for loaded in on_gpu), on_gpu
+    count = tiny.config(stage)["num_layers"]
+    assert [loaded[0] for loaded in on_gpu[:count]] == list(range(count))

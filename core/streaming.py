@@ -1,0 +1,147 @@
+"""Low-VRAM mode: a model's repeated blocks stay in CPU memory and each goes to the GPU only while it runs.
+
+``stream_blocks(model, blocks, device)`` leaves the blocks' weights where they are (CPU), puts every
+other weight of the model on ``device`` for good (small: norms, projections, embedders), and hooks each
+block: before block *i* runs its weights are on the GPU — copied ahead of time on a side stream while
+block *i − 1* computed — and after it has run the GPU copies are dropped. The CPU tensors are never
+replaced, so nothing is copied back.
+
+Why not diffusers' group offloading or accelerate's offload hooks: both move a tensor by assigning
+``param.data``, which carries neither bitsandbytes' ``quant_state`` (the 4-bit absmax beside the
+packed weight) nor the scale inside an optimum-quanto tensor subclass; accelerate re-quantizes a
+``Params4bit`` it is given. Here each parameter is replaced by the tensor its own ``.to(device)``
+returns — the one path both libraries implement — and put back afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_TensorSlot = tuple[torch.nn.Module, str, str]  # module, "_parameters" | "_buffers", name
+
+
+def _slots(module: torch.nn.Module) -> list[_TensorSlot]:
+    slots = []
+    for sub in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(sub, kind).items():
+                if tensor is not None:
+                    slots.append((sub, kind, name))
+    return slots
+
+
+def _pin(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's storage in place where its type allows (plain tensors, bitsandbytes'
+    packed weights), so copies to the GPU run asynchronously; tensor subclasses stay as they are."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and not hasattr(tensor, "quant_state"):
+        return
+    if tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor.data = tensor.data.pin_memory()
+
+
+class _Block:
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.module = module
+        self.device = device
+        self.slots = _slots(module)
+        self.originals = [getattr(m, kind)[name] for m, kind, name in self.slots]
+        self.ready: torch.cuda.Event | None = None  # set while a prefetch is in flight
+        self.loaded = False
+
+    def load(self, stream: torch.cuda.Stream | None) -> None:
+        if self.loaded:
+            return
+        for (m, kind, name), tensor in zip(self.slots, self.originals, strict=True):
+            if tensor.device != self.device:  # (on the CPU itself, a copy would only cost)
+                getattr(m, kind)[name] = tensor.to(self.device, non_blocking=stream is not None)
+        self.loaded = True
+        if stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+
+    def unload(self) -> None:
+        for (m, kind, name), tensor in zip(self.slots, self.originals, strict=True):
+            getattr(m, kind)[name] = tensor
+        self.loaded = False
+        self.ready = None
+
+
+class BlockStreamer:
+    """The hooks and state of one streamed model (the hooks hold it: it lives as long as the model)."""
+
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, prefetch: bool):
+        self.device = device
+        self.blocks = [_Block(block, device) for block in blocks]
+        self.stream = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._before(index))
+            block.register_forward_hook(self._after(index))
+
+    def _before(self, index: int):
+        def hook(_module, _args):
+            block = self.blocks[index]
+            if block.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(block.ready)
+            block.load(None)  # not prefetched (the first block of a forward)
+            following = index + 1
+            if self.stream is not None and following < len(self.blocks):
+                # The side stream first waits for the work queued so far: the GPU memory it is about to
+                # allocate may be what an earlier block's dropped copies held, still read by that work.
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    self.blocks[following].load(self.stream)
+
+        return hook
+
+    def _after(self, index: int):
+        def hook(_module, _args, _output):
+            self.blocks[index].unload()
+
+        return hook
+
+
+def stream_blocks(
+    model: torch.nn.Module,
+    blocks: Iterable[torch.nn.Module],
+    device: torch.device | str,
+    keep_on_cpu: Iterable[torch.nn.Module] = (),
+    prefetch: bool = True,
+) -> BlockStreamer:
+    """Run ``model`` on ``device`` with ``blocks`` streamed from CPU memory (see the module's doc).
+
+    ``model`` must be on the CPU. Modules in ``keep_on_cpu`` stay there and run there (their inputs are
+    moved to the CPU and their outputs to ``device``): for T5's token embeddings (263 MB in bf16 for
+    T5-XXL), a lookup that costs nothing on the CPU. The streamed blocks' CPU weights are page-locked
+    where possible so the copies overlap with compute."""
+    device = torch.device(device)
+    blocks = list(blocks)
+    keep_on_cpu = list(keep_on_cpu)
+    skip = {id(t) for module in blocks + keep_on_cpu for t in [*module.parameters(), *module.buffers()]}
+    for m, kind, name in _slots(model):
+        tensor = getattr(m, kind)[name]
+        if id(tensor) not in skip:
+            moved = tensor.to(device)
+            getattr(m, kind)[name] = (
+                torch.nn.Parameter(moved, requires_grad=False)
+                if kind == "_parameters" and type(moved) is torch.Tensor
+                else moved
+            )
+    if device.type == "cuda":
+        for block in blocks:
+            for tensor in [*block.parameters(), *block.buffers()]:
+                _pin(tensor)
+    for module in keep_on_cpu:
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: (
+                tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args),
+                {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+            ),
+            with_kwargs=True,
+        )
+        module.register_forward_hook(lambda _m, _args, output: output.to(device))
+    return BlockStreamer(blocks, device, prefetch)

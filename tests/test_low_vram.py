@@ -1,0 +1,93 @@
+"""Low-VRAM mode (core/streaming.py): T5 layers and transformer blocks live in CPU memory and each is on
+the compute device only while it runs. On the CPU the copies are no-ops, so these tests check what the
+mode changes there: the results (identical, quantized or not), which blocks are loaded when, that the
+token embeddings run on the CPU, and that the model is freed like any other. The GPU tier measures the
+memory (tests/test_gpu.py) and the benchmark the time."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pixart_lowvram.core import sampler, streaming, text_encoder
+
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
+
+
+@pytest.fixture
+def block_log(monkeypatch):
+    """Per block forward: (model class, block index, indices of the blocks loaded at that moment)."""
+    log: list[tuple[str, int, list[int]]] = []
+    original = streaming.BlockStreamer.__init__
+
+    def init(self, blocks, device, prefetch):
+        original(self, blocks, device, prefetch)
+        for index, block in enumerate(blocks):
+
+            def spy(_module, _args, _index=index, _streamer=self):
+                loaded = [i for i, b in enumerate(_streamer.blocks) if b.loaded]
+                log.append((type(_module).__name__, _index, loaded))
+
+            # Runs after the streamer's own pre-hook (hooks run in registration order).
+            block.register_forward_pre_hook(spy)
+
+    monkeypatch.setattr(streaming.BlockStreamer, "__init__", init)
+    return log
+
+
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, block_log):
+    options = {"device": "cpu", "dtype": torch.float32, "quantization": quantization}
+    plain = text_encoder.encode(tiny, reference.prompt, reference.negative, **options)
+    streamed = text_encoder.encode(tiny, reference.prompt, reference.negative, low_vram=True, **options)
+    torch.testing.assert_close(streamed.prompt_embeds, plain.prompt_embeds, rtol=0, atol=0)
+    torch.testing.assert_close(streamed.negative_embeds, plain.negative_embeds, rtol=0, atol=0)
+    layers = tiny.config("text_encoder")["num_layers"]
+    # prompt and negative: two passes, each block alone on the device while it runs
+    assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(layers)] * 2
+
+
+@pytest.mark.parametrize("quantization", ["none", "qint8"])
+def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantization, block_log):
+    options = {"device": "cpu", "dtype": torch.float32, "quantization": quantization}
+    plain = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
+    streamed = sampler.sample(tiny, reference.embeds, **SETTINGS, low_vram=True, **options)
+    torch.testing.assert_close(streamed, plain, rtol=0, atol=0)
+    blocks = tiny.config("transformer")["num_layers"]
+    assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(blocks)] * 2
+
+
+def test_t5_token_embeddings_run_on_the_cpu(tiny, reference, monkeypatch):
+    """The embedding lookup gets CPU token ids even though the encoder is called with the device's."""
+    seen = []
+    original = torch.nn.Embedding.forward
+
+    vocabulary = tiny.config("text_encoder")["vocab_size"]
+
+    def forward(self, ids):
+        if self.num_embeddings == vocabulary:  # (not T5's relative position buckets)
+            seen.append((ids.device.type, self.weight.device.type))
+        return original(self, ids)
+
+    monkeypatch.setattr(torch.nn.Embedding, "forward", forward)
+    text_encoder.encode(tiny, "a", "", device="cpu", dtype=torch.float32, quantization="none", low_vram=True)
+    assert seen == [("cpu", "cpu")] * 2
+
+
+def test_streamed_models_are_freed_after_their_stage(tiny, reference, load_spy):
+    options = {"device": "cpu", "dtype": torch.float32, "low_vram": True}
+    text_encoder.encode(tiny, reference.prompt, **options, quantization="nf4")
+    sampler.sample(tiny, reference.embeds, **SETTINGS, **options, quantization="qint8")
+    gc.collect()
+    assert load_spy.alive("text_encoder") == [False]
+    assert load_spy.alive("transformer") == [False]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_low_vram_must_be_a_bool(tiny, reference, value):
+    with pytest.raises(TypeError, match="low_vram must be true or false"):
+        text_encoder.encode(tiny, "a", device="cpu", low_vram=value)
+    with pytest.raises(TypeError, match="low_vram must be true or false"):
+        sampler.sample(tiny, reference.embeds, **SETTINGS, device="cpu", low_vram=value)
