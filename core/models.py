@@ -18,12 +18,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODEL_INDEX = "model_index.json"
-HUB_IDS = ("PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",)
+HUB_1024 = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
+# The 512 and 2K repositories hold the transformer and scheduler only; their users take T5, tokenizer and
+# VAE from the 1024 model.
+HUB_IDS = (HUB_1024, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS", "PixArt-alpha/PixArt-Sigma-XL-2-2K-MS")
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
+# What a transformer-only folder (the 2K model, often the 512 one) borrows from a 1024 folder.
+BORROWED = ("tokenizer", "text_encoder", "vae")
+NATIVE_1024 = 128  # the 1024 px models' transformer sample_size (latent pixels)
 LAYOUT_HINT = (
     "A PixArt-Σ model is a diffusers folder holding model_index.json and the subfolders "
     + ", ".join(COMPONENTS)
-    + " (for example a copy of the hub repository PixArt-alpha/PixArt-Sigma-XL-2-1024-MS)."
+    + " (for example a copy of the hub repository PixArt-alpha/PixArt-Sigma-XL-2-1024-MS). A folder with only "
+    "transformer/ and scheduler/ (the 512 or 2K model) borrows "
+    + ", ".join(BORROWED)
+    + " from a complete 1024 folder beside it."
 )
 
 
@@ -50,6 +59,8 @@ class ModelSource:
     path: Path | None = None
     hub_id: str | None = None
     searched: tuple[str, ...] = ()
+    # The model that supplies the components this one lacks (a 2K folder's T5, tokenizer and VAE).
+    lender: ModelSource | None = None
 
     @property
     def key(self) -> str:
@@ -59,12 +70,25 @@ class ModelSource:
     def folder(self, components: Sequence[str]) -> Path:
         """The local folder holding ``components``, downloading them first for a hub id."""
         folder = self.path if self.path is not None else self._download(components)
-        for component in components:
-            if not (folder / component).is_dir():
-                raise FileNotFoundError(
-                    f"model {self.name!r}: folder {folder} has no {component}/ subfolder. {LAYOUT_HINT}"
-                )
+        missing = [component for component in components if not (folder / component).is_dir()]
+        if missing and self.lender is not None and not set(missing) - set(BORROWED):
+            return self.lender.folder(components)
+        if missing:
+            borrow = (
+                f" A folder without {', '.join(BORROWED)} borrows them from a complete PixArt-Σ 1024 folder "
+                f"in the same model folders, and none was found ({', '.join(self.searched) or 'none searched'})."
+                if set(missing) <= set(BORROWED)
+                else ""
+            )
+            raise FileNotFoundError(
+                f"model {self.name!r}: folder {folder} has no {missing[0]}/ subfolder.{borrow} {LAYOUT_HINT}"
+            )
         return folder
+
+    @property
+    def native_size(self) -> int:
+        """The image side in pixels the transformer was trained at: its config's sample_size × 8."""
+        return int(self.config("transformer").get("sample_size", NATIVE_1024)) * 8
 
     def config(self, component: str) -> dict:
         """A component's config.json (small; read without loading weights)."""
@@ -115,14 +139,45 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
                 raise FileNotFoundError(
                     f"model {name!r}: folder {folder} has no {MODEL_INDEX}. {LAYOUT_HINT}"
                 )
-            return ModelSource(name=name, path=folder.resolve(), searched=searched)
+            folder = folder.resolve()
+            return ModelSource(name, folder, searched=searched, lender=_lender(folder, roots, searched))
     if name in HUB_IDS or _looks_like_hub_id(name):
-        return ModelSource(name=name, hub_id=name, searched=searched)
+        lender = ModelSource(HUB_1024, hub_id=HUB_1024, searched=searched) if name != HUB_1024 else None
+        return ModelSource(name=name, hub_id=name, searched=searched, lender=lender)
     raise FileNotFoundError(
         f"model {name!r} was not found. Searched: {', '.join(searched) or '(no model folders given)'}. "
         f"Put the model's folder under one of them, or give a folder path or the hub id {HUB_IDS[0]!r}. "
         f"{LAYOUT_HINT}"
     )
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / component).is_dir() for component in BORROWED)
+
+
+def _sample_size(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "transformer" / "config.json").read_text()).get("sample_size")
+    except (OSError, ValueError):
+        return None
+
+
+def _lender(folder: Path, roots: Sequence[Path], searched: tuple[str, ...]) -> ModelSource | None:
+    """For a folder without T5, tokenizer or VAE (the 2K model, often the 512 one): the complete model
+    folder to take them from, a 1024 one first (what the 2K model's users pair it with)."""
+    if _is_complete(folder):
+        return None
+    candidates = {
+        (root / name).resolve()
+        for root in [*roots, folder.parent]
+        for name in find_model_folders([root])
+        if (root / name).resolve() != folder and _is_complete(root / name)
+    }
+    if not candidates:
+        return None
+    lender = min(candidates, key=lambda path: (_sample_size(path) != NATIVE_1024, str(path).lower()))
+    logger.info("model %s has no %s; they come from %s", folder.name, "/".join(BORROWED), lender)
+    return ModelSource(name=lender.name, path=lender, searched=searched)
 
 
 T5_FILE_HINT = (
@@ -293,3 +348,220 @@ def _infer_t5(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> T5File:
     )
     stored = tensors["encoder.block.0.layer.0.SelfAttention.q.weight"][0]
     return T5File(path.resolve(), config, tuple(weights), tuple(scales), stored)
+
+
+TRANSFORMER_FILE_HINT = (
+    "A PixArt-Σ transformer file is one .safetensors file in models/diffusion_models or models/checkpoints: "
+    "an original PixArt checkpoint converted to safetensors (e.g. PixArt-Sigma-XL-2-1024-MS.safetensors, the "
+    "file ComfyUI's UNETLoader reads) or a diffusers transformer's diffusion_pytorch_model.safetensors."
+)
+# Every published PixArt (α and Σ, XL-2) has 1152-wide blocks of 16 heads of 72; the weights do not say.
+PIXART_HEAD_DIM = 72
+# Image side in pixels -> the transformer's sample_size and position-embedding scale, as diffusers'
+# conversion of the published checkpoints sets them.
+VARIANTS: dict[str, tuple[int, float]] = {
+    "256": (32, 0.5),
+    "512": (64, 1.0),
+    "1024": (128, 2.0),
+    "2K": (256, 4.0),
+}
+_VARIANT_IN_NAME = re.compile(r"(?<![0-9])(2k|2048|1024|512|256)(?![0-9])", re.IGNORECASE)
+# Original (PixArt repository) key -> diffusers key, one to one; the fused attention weights follow below.
+_ORIGINAL_BASIC = {
+    "x_embedder.proj.weight": "pos_embed.proj.weight",
+    "x_embedder.proj.bias": "pos_embed.proj.bias",
+    "y_embedder.y_proj.fc1.weight": "caption_projection.linear_1.weight",
+    "y_embedder.y_proj.fc1.bias": "caption_projection.linear_1.bias",
+    "y_embedder.y_proj.fc2.weight": "caption_projection.linear_2.weight",
+    "y_embedder.y_proj.fc2.bias": "caption_projection.linear_2.bias",
+    "t_embedder.mlp.0.weight": "adaln_single.emb.timestep_embedder.linear_1.weight",
+    "t_embedder.mlp.0.bias": "adaln_single.emb.timestep_embedder.linear_1.bias",
+    "t_embedder.mlp.2.weight": "adaln_single.emb.timestep_embedder.linear_2.weight",
+    "t_embedder.mlp.2.bias": "adaln_single.emb.timestep_embedder.linear_2.bias",
+    "t_block.1.weight": "adaln_single.linear.weight",
+    "t_block.1.bias": "adaln_single.linear.bias",
+    "final_layer.linear.weight": "proj_out.weight",
+    "final_layer.linear.bias": "proj_out.bias",
+    "final_layer.scale_shift_table": "scale_shift_table",
+}
+_ORIGINAL_BLOCK = {
+    "scale_shift_table": ("scale_shift_table",),
+    "attn.qkv.{}": ("attn1.to_q.{}", "attn1.to_k.{}", "attn1.to_v.{}"),
+    "attn.proj.{}": ("attn1.to_out.0.{}",),
+    "cross_attn.q_linear.{}": ("attn2.to_q.{}",),
+    "cross_attn.kv_linear.{}": ("attn2.to_k.{}", "attn2.to_v.{}"),
+    "cross_attn.proj.{}": ("attn2.to_out.0.{}",),
+    "mlp.fc1.{}": ("ff.net.0.proj.{}",),
+    "mlp.fc2.{}": ("ff.net.2.{}",),
+}
+# In original checkpoints only: the learned empty caption (used in training; its length is the caption
+# length ComfyUI reads) and, in fixed-size models, the position embedding diffusers computes itself.
+_ORIGINAL_ONLY = ("y_embedder.y_embedding", "pos_embed")
+_ALPHA_KEYS = ("ar_embedder.mlp.0.weight", "adaln_single.emb.aspect_ratio_embedder.linear_1.weight")
+# ComfyUI's full checkpoints keep the transformer under a prefix.
+_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")
+
+
+def original_key_map(depth: int) -> dict[str, tuple[str, ...]]:
+    """Original PixArt key -> the diffusers keys it holds, concatenated along dim 0 (q, k, v fused)."""
+    mapping = {key: (value,) for key, value in _ORIGINAL_BASIC.items()}
+    for block in range(depth):
+        for original, parts in _ORIGINAL_BLOCK.items():
+            ends = ("weight", "bias") if "{}" in original else ("",)
+            for end in ends:
+                mapping[f"blocks.{block}.{original.format(end)}"] = tuple(
+                    f"transformer_blocks.{block}.{part.format(end)}" for part in parts
+                )
+    return mapping
+
+
+@dataclass(frozen=True)
+class TransformerFile:
+    """A PixArt-Σ transformer saved as one safetensors file, in the original PixArt layout or diffusers'."""
+
+    path: Path
+    config: dict[str, Any]  # PixArtTransformer2DModel arguments
+    layout: str  # "original" or "diffusers"
+    prefix: str  # before every key, e.g. "model.diffusion_model." in a full ComfyUI checkpoint
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+    @property
+    def native_size(self) -> int:
+        return int(self.config["sample_size"]) * 8
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under diffusers' names (an original checkpoint's fused q, k, v split)."""
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            if self.layout == "diffusers":
+                return {key.removeprefix(self.prefix): f.get_tensor(key) for key in f.keys()  # noqa: SIM118
+                        if key.startswith(self.prefix)}  # fmt: skip
+            state = {}
+            for original, targets in original_key_map(self.config["num_layers"]).items():
+                tensor = f.get_tensor(self.prefix + original)
+                for target, part in zip(targets, tensor.chunk(len(targets)), strict=True):
+                    state[target] = part.contiguous()
+            return state
+
+
+def read_transformer_file(
+    path: str | os.PathLike, folder_config: dict[str, Any] | None = None
+) -> TransformerFile:
+    """Check that ``path`` is a PixArt-Σ transformer saved as one safetensors file and make its diffusers
+    config from the shapes in its header (read without the weights). What the weights do not record comes
+    from ``folder_config`` (the chosen model folder's transformer config) where its width matches: the
+    head count (else 16 heads of 72, as in every published PixArt) and the native size (after a size in
+    the file's name: 512, 1024, 2K/2048, 256)."""
+    path = Path(path).expanduser()
+    if path.suffix.lower() != ".safetensors":
+        raise ValueError(
+            f"transformer_file {str(path)!r}: only .safetensors files are read; a {path.suffix or 'extensionless'} "
+            f"file may be a pickle, which can run code when loaded and which the pack never opens. "
+            f"Convert the checkpoint to safetensors or pick the .safetensors version. {TRANSFORMER_FILE_HINT}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"transformer_file {str(path)!r} does not exist. {TRANSFORMER_FILE_HINT}")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"transformer_file {str(path)!r} is not a readable safetensors file ({exc}). If it was downloaded, "
+            f"the download is probably incomplete: download it again."
+        ) from exc
+    return _infer_transformer(path, shapes, folder_config or {})
+
+
+def _infer_transformer(
+    path: Path, shapes: dict[str, list[int]], folder_config: dict[str, Any]
+) -> TransformerFile:
+    name = path.name
+    found = [
+        (prefix, layout)
+        for prefix in _PREFIXES
+        for layout, marker in (("original", "t_block.1.weight"), ("diffusers", "adaln_single.linear.weight"))
+        if prefix + marker in shapes
+    ]
+    if not found:
+        raise ValueError(
+            f"transformer_file {name!r} is not a PixArt transformer: it has neither t_block.1.weight (original "
+            f"PixArt) nor adaln_single.linear.weight (diffusers); its first tensors are "
+            f"{', '.join(sorted(shapes)[:3]) or 'none'}. {TRANSFORMER_FILE_HINT}"
+        )
+    prefix, layout = found[0]
+    keys = {key.removeprefix(prefix) for key in shapes if key.startswith(prefix)}
+    if any(key in keys for key in _ALPHA_KEYS):
+        raise ValueError(
+            f"transformer_file {name!r} is a PixArt-α transformer (it has size and aspect-ratio embedders); this "
+            f"sampler runs PixArt-Σ. ComfyUI's own Load Diffusion Model + KSampler run PixArt-α files. "
+            f"{TRANSFORMER_FILE_HINT}"
+        )
+    block = re.compile(r"(?:transformer_)?blocks\.(\d+)\.")
+    depth = 1 + max((int(m.group(1)) for key in keys if (m := block.match(key))), default=-1)
+    mapping = original_key_map(depth)
+    want = {t for targets in mapping.values() for t in targets} if layout == "diffusers" else set(mapping)
+    missing = sorted(want - keys)
+    unexpected = sorted(keys - want - set(_ORIGINAL_ONLY)) if layout == "original" else sorted(keys - want)
+    if depth == 0 or missing or unexpected:
+        problem = (
+            f"lacks {missing[0]}" if missing else f"has {unexpected[0]}" if unexpected else "has no blocks"
+        )
+        count = len(missing) + len(unexpected)
+        raise ValueError(
+            f"transformer_file {name!r} {problem}{f' (and {count - 1} more)' if count > 1 else ''}: it is not a "
+            f"PixArt-Σ transformer in the {layout} layout (a damaged file, or a variant such as KV-compressed "
+            f"blocks that diffusers' PixArt-Σ does not have). {TRANSFORMER_FILE_HINT}"
+        )
+
+    def shape(diffusers_key: str) -> list[int]:
+        if layout == "diffusers":
+            return shapes[prefix + diffusers_key]
+        original = next(key for key, targets in mapping.items() if diffusers_key in targets)
+        return shapes[prefix + original]
+
+    patch_weight = shape("pos_embed.proj.weight")  # [width, in_channels, patch, patch]
+    width, in_channels, patch = patch_weight[0], patch_weight[1], patch_weight[2]
+    config = {
+        "in_channels": in_channels,
+        "out_channels": shape("proj_out.weight")[0] // (patch * patch),
+        "patch_size": patch,
+        "num_layers": depth,
+        "caption_channels": shape("caption_projection.linear_1.weight")[1],
+        "cross_attention_dim": width,
+        "norm_type": "ada_norm_single",
+        "norm_elementwise_affine": False,
+        "norm_eps": 1e-6,
+        "num_embeds_ada_norm": 1000,
+        "activation_fn": "gelu-approximate",
+        "attention_bias": True,
+        "use_additional_conditions": False,
+    }
+    folder_width = folder_config.get("num_attention_heads", 0) * folder_config.get("attention_head_dim", 0)
+    if folder_width == width:
+        heads, head_dim = folder_config["num_attention_heads"], folder_config["attention_head_dim"]
+    elif width % PIXART_HEAD_DIM == 0:
+        heads, head_dim = width // PIXART_HEAD_DIM, PIXART_HEAD_DIM
+    else:
+        raise ValueError(
+            f"transformer_file {name!r} has {width}-wide blocks, not PixArt's 1152 (16 heads of 72), and the "
+            f"chosen model's transformer config does not say how many heads they have. Pick the model folder the "
+            f"file was made from. {TRANSFORMER_FILE_HINT}"
+        )
+    config["num_attention_heads"], config["attention_head_dim"] = heads, head_dim
+    named = _VARIANT_IN_NAME.search(path.stem)
+    if named is not None:
+        variant = "2K" if named.group(1).lower() in ("2k", "2048") else named.group(1)
+        config["sample_size"], config["interpolation_scale"] = VARIANTS[variant]
+    elif folder_width == width and "sample_size" in folder_config:
+        config["sample_size"] = folder_config["sample_size"]
+        config["interpolation_scale"] = folder_config.get("interpolation_scale")
+    else:
+        config["sample_size"], config["interpolation_scale"] = VARIANTS["1024"]
+        logger.info("%s: no size in its name; taking the 1024 px model's sample size", name)
+    return TransformerFile(path.resolve(), config, layout, prefix)

@@ -6,7 +6,7 @@ import comfy.model_management
 import folder_paths
 from comfy_api.latest import io
 
-from ..core import text_encoder
+from ..core import conditioning, text_encoder
 from ..core.quant import TEXT_ENCODER_SCHEMES
 from . import common
 
@@ -37,7 +37,8 @@ class QuantizedT5Encode(io.ComfyNode):
             category=common.CATEGORY,
             description="Encodes the prompt and negative prompt with PixArt-Σ's T5-XXL loaded in 4-bit "
             "(or 8-bit) with bitsandbytes, then unloads T5. T5 comes from the model's folder or from a "
-            "single T5-XXL file in models/text_encoders. The embeddings stay on the CPU.",
+            "single T5-XXL file in models/text_encoders. The embeddings stay on the CPU; positive and negative "
+            "offer them as core CONDITIONING for ComfyUI's own PixArt-Σ model and KSampler.",
             inputs=[
                 common.model_input(),
                 io.String.Input("prompt", multiline=True, default="", tooltip="What the image shows."),
@@ -66,19 +67,31 @@ class QuantizedT5Encode(io.ComfyNode):
                     "it loads, no second copy of T5 needed. The tokenizer still comes from the model's folder, "
                     "or from ComfyUI's own T5 tokenizer when the folder has none.",
                 ),
+                common.low_vram_input("T5's 24 layers"),
             ],
             outputs=[
                 common.PixArtEmbeds.Output(
                     display_name="embeds",
                     tooltip="Prompt and negative embeddings with attention masks (300 tokens), on the CPU.",
-                )
+                ),
+                # After embeds, so links saved to output 0 stay valid.
+                io.Conditioning.Output(
+                    display_name="positive",
+                    tooltip="The prompt as ComfyUI's own PixArt text encoder gives it (its tokens, no padding), "
+                    "for ComfyUI's PixArt-Σ model (Load Diffusion Model) with KSampler.",
+                ),
+                io.Conditioning.Output(
+                    display_name="negative",
+                    tooltip="The negative prompt in the same form (an empty one is the end token alone, as "
+                    "ComfyUI's encoder makes it), for KSampler's negative input.",
+                ),
             ],
             hidden=[io.Hidden.dynprompt],
         )
 
     @classmethod
     def execute(
-        cls, model, prompt, negative_prompt, quantization, keep_loaded, t5_file=FROM_MODEL
+        cls, model, prompt, negative_prompt, quantization, keep_loaded, t5_file=FROM_MODEL, low_vram=False
     ) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         t5_path = (
@@ -95,5 +108,6 @@ class QuantizedT5Encode(io.ComfyNode):
             report=report,
             t5_file=t5_path,
             tokenizer_fallback=comfy_t5_tokenizer(),
+            low_vram=low_vram,
         )
-        return io.NodeOutput(embeds)
+        return io.NodeOutput(embeds, *conditioning.core_conditioning(embeds))
