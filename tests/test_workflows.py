@@ -1,22 +1,35 @@
-"""The bundled workflows: the UI (drag-and-drop) file is a consistent litegraph graph, and it describes
-the same graph as the API (queueing) file. The comfyui tier checks both against a real server's
-/object_info; this test needs no ComfyUI."""
+"""The bundled workflows: every UI (drag-and-drop) file is a consistent, type-correct litegraph graph of
+known nodes with its widget values in the nodes' input order, every API (queueing) file names known
+inputs and links, each UI/API pair describes the same graph, and each UI file has its thumbnail.
+
+The nodes' schemas need ComfyUI (comfy_api) to build, so this tier keeps them as tables below; the
+comfyui tier (test_comfyui_workflows.py) checks the tables and every workflow against a real server's
+/object_info.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import math
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import pytest
+from PIL import Image
 
 WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
-UI_FILE = WORKFLOWS / "pixart_lowvram_basic.json"
-API_FILE = WORKFLOWS / "pixart_lowvram_basic_api.json"
 
 # Each node type's widget inputs in /object_info's input_order; the frontend stores their values in
-# this order. Inputs that take a link (embeds, latent, value, images) are sockets, not widgets.
+# this order. Inputs that take a link are sockets, not widgets.
 WIDGETS = {
-    "PixArtQ_T5Encode": ("model", "prompt", "negative_prompt", "quantization", "keep_loaded", "t5_file"),
+    "PixArtQ_T5Encode": (
+        "model",
+        "prompt",
+        "negative_prompt",
+        "quantization",
+        "keep_loaded",
+        "t5_file",
+        "low_vram",
+    ),
     "PixArtQ_Sampler": (
         "model",
         "width",
@@ -30,27 +43,87 @@ WIDGETS = {
         "resolution",
         "scheduler",
         "denoise",
+        "low_vram",
     ),
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix",),
     "SaveImage": ("filename_prefix",),
+    "PreviewImage": (),
+    "VAELoader": ("vae_name",),
+    "VAEDecode": (),
 }
+# Each node type's sockets: inputs (name, type, optional) and outputs (name, type). ANY is a MatchType
+# socket: it takes any type, and the node's ANY output has the type linked to its input.
+ANY = "*"
+SOCKETS = {
+    "PixArtQ_T5Encode": ([], [("embeds", "PIXART_EMBEDS")]),
+    "PixArtQ_Sampler": (
+        [("embeds", "PIXART_EMBEDS", False), ("latent", "LATENT", True)],
+        [("LATENT", "LATENT")],
+    ),
+    "PixArtQ_VAEDecode": ([("latent", "LATENT", False)], [("IMAGE", "IMAGE")]),
+    "PixArtQ_FreeVRAM": ([("value", ANY, False)], [("value", ANY)]),
+    "PixArtQ_MemorySnapshot": ([("value", ANY, False)], [("value", ANY)]),
+    "SaveImage": ([("images", "IMAGE", False)], []),
+    "PreviewImage": ([("images", "IMAGE", False)], []),
+    "VAELoader": ([], [("VAE", "VAE")]),
+    "VAEDecode": ([("samples", "LATENT", False), ("vae", "VAE", False)], [("IMAGE", "IMAGE")]),
+}
+# The order of every input (sockets and widgets) in /object_info's input_order: the API format's order.
+INPUT_ORDER = {
+    "PixArtQ_T5Encode": WIDGETS["PixArtQ_T5Encode"],
+    "PixArtQ_Sampler": (
+        "model",
+        "embeds",
+        *WIDGETS["PixArtQ_Sampler"][1:9],
+        "latent",
+        *WIDGETS["PixArtQ_Sampler"][9:],
+    ),
+    "PixArtQ_VAEDecode": ("model", "latent", "keep_loaded", "tiling"),
+    "PixArtQ_FreeVRAM": ("value",),
+    "PixArtQ_MemorySnapshot": ("value", "filename_prefix"),
+    "SaveImage": ("images", "filename_prefix"),
+    "PreviewImage": ("images",),
+    "VAELoader": ("vae_name",),
+    "VAEDecode": ("samples", "vae"),
+}
+# Frontend-only nodes: drawn on the canvas, left out of the API format.
+VIRTUAL = {"MarkdownNote": ("text",), "Note": ("text",)}
+# Inputs that name a model file or folder: a name under one of ComfyUI's model folders, never a path.
+MODEL_INPUTS = {"model", "t5_file", "vae_name"}
 # The frontend draws optional inputs with this shape (a hollow circle); only they may be left unlinked.
 OPTIONAL_SHAPE = 7
 # Widgets the frontend follows with a "control after generate" value of its own.
 CONTROLLED = {("PixArtQ_Sampler", "seed")}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: the title bar is drawn above a node's pos
 
 
-@pytest.fixture(scope="module")
-def ui() -> dict:
-    return json.loads(UI_FILE.read_text(encoding="utf-8"))
+def read(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module")
-def api() -> dict:
-    return json.loads(API_FILE.read_text(encoding="utf-8"))
+def is_ui(workflow: object) -> bool:
+    return isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow
+
+
+UI_FILES = sorted(path for path in WORKFLOWS.glob("*.json") if is_ui(read(path)))
+API_FILES = sorted(path for path in WORKFLOWS.glob("*.json") if not is_ui(read(path)))
+PAIRS = [(path, path.with_name(path.stem + "_api.json")) for path in UI_FILES]
+NAMES = ("basic", "low_vram", "memory_debug", "with_core_nodes")
+
+
+def api_file(name: str) -> Path:
+    return WORKFLOWS / f"pixart_lowvram_{name}_api.json"
+
+
+def ui_file(name: str) -> Path:
+    return WORKFLOWS / f"pixart_lowvram_{name}.json"
+
+
+def ids(paths: list[Path]) -> list[str]:
+    return [path.stem for path in paths]
 
 
 def is_link(value: object) -> bool:
@@ -62,11 +135,15 @@ def is_link(value: object) -> bool:
     )
 
 
+def widget_names(node_type: str) -> tuple[str, ...]:
+    return VIRTUAL[node_type] if node_type in VIRTUAL else WIDGETS[node_type]
+
+
 def ui_widgets(node: dict) -> dict[str, object]:
     """The node's widget values by input name, control-after-generate values checked and dropped."""
     values = list(node["widgets_values"])
     named = {}
-    for name in WIDGETS[node["type"]]:
+    for name in widget_names(node["type"]):
         assert values, f"node {node['id']} ({node['type']}) has no value for widget {name!r}"
         named[name] = values.pop(0)
         if (node["type"], name) in CONTROLLED:
@@ -76,7 +153,30 @@ def ui_widgets(node: dict) -> dict[str, object]:
     return named
 
 
-def test_ui_workflow_is_a_consistent_graph(ui):
+def api_widgets(entry: dict) -> dict[str, object]:
+    return {name: value for name, value in entry["inputs"].items() if not is_link(value)}
+
+
+def test_the_bundled_workflows_are_all_there():
+    """Four workflows, each as a UI file, an API file and a thumbnail; nothing else in the folder."""
+    assert ids(UI_FILES) == [f"pixart_lowvram_{name}" for name in NAMES]
+    assert ids(API_FILES) == [f"pixart_lowvram_{name}_api" for name in NAMES]
+    expected = {path.name for path in UI_FILES + API_FILES} | {path.stem + ".jpg" for path in UI_FILES}
+    expected.add("make_thumbnails.py")
+    assert {path.name for path in WORKFLOWS.iterdir()} == expected
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
+def test_ui_workflow_has_a_templates_browser_thumbnail(path):
+    """ComfyUI's templates browser shows a pack's workflow with the picture at the same name, .jpg."""
+    with Image.open(path.with_suffix(".jpg")) as image:
+        assert image.format == "JPEG"
+        assert image.width == image.height >= 256
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
+def test_ui_workflow_is_a_consistent_type_correct_graph(path):
+    ui = read(path)
     assert ui["version"] == 0.4
     assert {"groups", "config", "extra"} <= set(ui)
     nodes = {node["id"]: node for node in ui["nodes"]}
@@ -86,38 +186,115 @@ def test_ui_workflow_is_a_consistent_graph(ui):
     assert ui["last_node_id"] == max(nodes)
     assert ui["last_link_id"] == max(links)
 
-    for link_id, from_node, from_slot, to_node, to_slot, kind in ui["links"]:
-        output = nodes[from_node]["outputs"][from_slot]
-        assert link_id in output["links"], f"link {link_id} is missing from node {from_node}'s output"
-        assert output["type"] == kind and output["slot_index"] == from_slot
-        target = nodes[to_node]["inputs"][to_slot]
-        assert target["link"] == link_id, f"link {link_id} is not node {to_node}'s input {to_slot}"
-        assert target["type"] == kind
-        assert nodes[from_node]["order"] < nodes[to_node]["order"], "order runs along the links"
-
     for node in ui["nodes"]:
-        for slot, socket in enumerate(node["inputs"]):
-            if socket["link"] is None:
-                assert socket.get("shape") == OPTIONAL_SHAPE, f"node {node['id']} input {socket['name']!r}"
-                continue
-            link = links.get(socket["link"])
-            assert link is not None and link[3:5] == [node["id"], slot], (
-                f"node {node['id']} input {socket['name']!r} points at link {socket['link']}"
-            )
-        for slot, output in enumerate(node["outputs"]):
-            assert all(links[i][1:3] == [node["id"], slot] for i in output["links"])
+        assert node["type"] in WIDGETS or node["type"] in VIRTUAL, f"node {node['id']}: unknown type"
         assert node["mode"] == 0
-        assert node["properties"]["Node name for S&R"] == node["type"]
         assert len(node["pos"]) == 2 and len(node["size"]) == 2
         ui_widgets(node)
+        if node["type"] in VIRTUAL:
+            assert node["inputs"] == [] and node["outputs"] == []
+            continue
+        assert node["properties"]["Node name for S&R"] == node["type"]
+        inputs, outputs = SOCKETS[node["type"]]
+        assert [s["name"] for s in node["inputs"]] == [name for name, _kind, _optional in inputs]
+        assert [o["name"] for o in node["outputs"]] == [name for name, _kind in outputs]
+        matched = set()
+        for socket, (name, kind, optional) in zip(node["inputs"], inputs, strict=True):
+            if socket["link"] is None:
+                assert optional and socket.get("shape") == OPTIONAL_SHAPE, f"node {node['id']} input {name!r}"
+                continue
+            link = links.get(socket["link"])
+            slot = [s["name"] for s in node["inputs"]].index(name)
+            assert link is not None and link[3:5] == [node["id"], slot], (
+                f"node {node['id']} input {name!r} points at link {socket['link']}"
+            )
+            assert socket["type"] == link[5], f"node {node['id']} input {name!r}"
+            if kind == ANY:
+                matched.add(link[5])
+            else:
+                assert link[5] == kind, f"node {node['id']} input {name!r} takes {kind}, is linked {link[5]}"
+        for slot, (output, (name, kind)) in enumerate(zip(node["outputs"], outputs, strict=True)):
+            assert output["slot_index"] == slot
+            assert output["type"] == (matched.pop() if kind == ANY else kind), f"node {node['id']} {name}"
+            assert all(links[i][1:3] == [node["id"], slot] for i in output["links"])
+
+    for link_id, from_node, from_slot, to_node, _to_slot, kind in ui["links"]:
+        output = nodes[from_node]["outputs"][from_slot]
+        assert link_id in output["links"], f"link {link_id} is missing from node {from_node}'s output"
+        assert output["type"] == kind
+        assert nodes[from_node]["order"] < nodes[to_node]["order"], "order runs along the links"
     assert sorted(node["order"] for node in ui["nodes"]) == list(range(len(nodes)))
 
 
-def test_ui_and_api_workflows_describe_the_same_graph(ui, api):
-    nodes = {str(node["id"]): node for node in ui["nodes"]}
+def boxes_overlap(a: dict, b: dict) -> bool:
+    """Whether two nodes' boxes (title bar included) overlap on the canvas."""
+    ax, ay, bx, by = a["pos"][0], a["pos"][1] - TITLE_HEIGHT, b["pos"][0], b["pos"][1] - TITLE_HEIGHT
+    aw, ah, bw, bh = a["size"][0], a["size"][1] + TITLE_HEIGHT, b["size"][0], b["size"][1] + TITLE_HEIGHT
+    return ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
+def test_ui_workflow_layout_has_no_overlapping_nodes_and_a_note(path):
+    nodes = read(path)["nodes"]
+    for index, a in enumerate(nodes):
+        for b in nodes[index + 1 :]:
+            assert not boxes_overlap(a, b), f"{path.name}: nodes {a['id']} and {b['id']} overlap"
+    notes = [node for node in nodes if node["type"] in VIRTUAL]
+    assert len(notes) == 1 and notes[0]["widgets_values"][0].startswith("## "), (
+        "one note tells what it is for"
+    )
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=ids(API_FILES))
+def test_api_workflow_names_known_inputs_and_links(path):
+    api = read(path)
+    for key, entry in api.items():
+        kind = entry["class_type"]
+        assert kind in INPUT_ORDER, f"API node {key}: {kind} is not a node this test knows"
+        declared = INPUT_ORDER[kind]
+        assert list(entry["inputs"]) == [name for name in declared if name in entry["inputs"]], (
+            f"API node {key}: inputs are known and in declared order"
+        )
+        assert list(api_widgets(entry)) == list(WIDGETS[kind]), f"API node {key}: every widget is set"
+        sockets = {name: (socket_kind, optional) for name, socket_kind, optional in SOCKETS[kind][0]}
+        for name, (socket_kind, optional) in sockets.items():
+            value = entry["inputs"].get(name)
+            if value is None:
+                assert optional, f"API node {key}: required input {name!r} is not linked"
+                continue
+            assert is_link(value), f"API node {key} input {name!r} is a socket: {value!r} is not a link"
+            source, slot = value
+            assert source in api, f"API node {key} input {name!r} links to missing node {source}"
+            outputs = SOCKETS[api[source]["class_type"]][1]
+            assert slot < len(outputs), f"API node {key} input {name!r}: node {source} has no output {slot}"
+            source_kind = output_type(api, source, slot)
+            assert socket_kind in (ANY, source_kind), (
+                f"API node {key} input {name!r} takes {socket_kind}, is linked to {source_kind}"
+            )
+        assert entry["_meta"]["title"], f"API node {key} has a title"
+
+
+def output_type(api: dict, key: str, slot: int) -> str:
+    """The type of an API node's output, following MatchType nodes back to what feeds them."""
+    inputs, outputs = SOCKETS[api[key]["class_type"]]
+    kind = outputs[slot][1]
+    if kind != ANY:
+        return kind
+    (name,) = [name for name, socket_kind, _optional in inputs if socket_kind == ANY]
+    source, source_slot = api[key]["inputs"][name]
+    return output_type(api, source, source_slot)
+
+
+@pytest.mark.parametrize(("ui_path", "api_path"), PAIRS, ids=ids(UI_FILES))
+def test_ui_and_api_workflows_describe_the_same_graph(ui_path, api_path):
+    ui, api = read(ui_path), read(api_path)
+    nodes = {str(node["id"]): node for node in ui["nodes"] if node["type"] not in VIRTUAL}
     assert set(nodes) == set(api), "the same node ids"
     for node_id, entry in api.items():
         assert nodes[node_id]["type"] == entry["class_type"]
+        title = nodes[node_id].get("title")
+        if title:
+            assert entry["_meta"]["title"] == title, f"node {node_id}: the same title"
 
     api_links = {
         (node_id, name): (value[0], value[1])
@@ -132,11 +309,130 @@ def test_ui_and_api_workflows_describe_the_same_graph(ui, api):
     assert ui_links == api_links
 
     for node_id, entry in api.items():
-        widgets = {name: value for name, value in entry["inputs"].items() if not is_link(value)}
-        assert list(widgets) == list(WIDGETS[entry["class_type"]]), (
-            f"API node {node_id}: widget inputs in order"
-        )
         typed = [(name, value, type(value)) for name, value in ui_widgets(nodes[node_id]).items()]
-        assert typed == [(name, value, type(value)) for name, value in widgets.items()], (
-            f"node {node_id}: the same widget values"
+        expected = [(name, value, type(value)) for name, value in api_widgets(entry).items()]
+        assert typed == expected, f"node {node_id}: the same widget values"
+
+
+def all_workflows() -> list[tuple[Path, str, str, object]]:
+    """(file, node id, input name, value) of every widget value in every workflow file."""
+    found = []
+    for path in UI_FILES:
+        for node in read(path)["nodes"]:
+            found += [(path, str(node["id"]), k, v) for k, v in ui_widgets(node).items()]
+    for path in API_FILES:
+        for key, entry in read(path).items():
+            found += [(path, key, k, v) for k, v in api_widgets(entry).items()]
+    return found
+
+
+def test_workflows_name_models_not_paths():
+    """Models are named as ComfyUI lists them, relative to its standard model folders (models/diffusers,
+    models/text_encoders, models/vae), so the same file runs on every server that has them."""
+    models = [
+        (path.name, key, name, value) for path, key, name, value in all_workflows() if name in MODEL_INPUTS
+    ]
+    assert len(models) >= 20
+    for where in models:
+        value = where[3]
+        assert isinstance(value, str) and value, where
+        assert not PurePosixPath(value).is_absolute() and not PureWindowsPath(value).is_absolute(), where
+        assert "/" not in value and "\\" not in value and ".." not in value and "~" not in value, where
+
+
+def test_workflows_write_only_under_prefixes():
+    """Output nodes take a file name prefix, never a path: ComfyUI numbers the files in its output folder."""
+    prefixes = [where for where in all_workflows() if where[2] == "filename_prefix"]
+    assert len(prefixes) >= 8
+    for path, key, _name, value in prefixes:
+        assert isinstance(value, str) and value.replace("_", "").isalnum(), (path.name, key, value)
+
+
+def widgets_of(name: str, class_type: str) -> list[dict]:
+    return [api_widgets(e) for e in read(api_file(name)).values() if e["class_type"] == class_type]
+
+
+def test_every_workflow_makes_a_1024_image_in_20_steps():
+    for name in NAMES:
+        (sampler,) = widgets_of(name, "PixArtQ_Sampler")
+        assert (sampler["width"], sampler["height"], sampler["steps"], sampler["batch_size"]) == (
+            1024,
+            1024,
+            20,
+            1,
         )
+        assert sampler["resolution"] == "custom" and math.isclose(sampler["denoise"], 1.0)
+        models = {
+            w["model"]
+            for kind in WIDGETS
+            if kind.startswith("PixArtQ_")
+            for w in widgets_of(name, kind)
+            if "model" in w
+        }
+        assert models == {"PixArt-Sigma-XL-2-1024-MS"}, name
+
+
+def test_low_vram_workflow_uses_the_smallest_settings():
+    (encoder,) = widgets_of("low_vram", "PixArtQ_T5Encode")
+    (sampler,) = widgets_of("low_vram", "PixArtQ_Sampler")
+    (decode,) = widgets_of("low_vram", "PixArtQ_VAEDecode")
+    assert encoder["low_vram"] is True and sampler["low_vram"] is True
+    assert encoder["quantization"] == "nf4" and sampler["weights"] == "qint8"
+    assert decode["tiling"] == "on"
+    assert not any(w["keep_loaded"] for w in (encoder, sampler, decode))
+    for name in ("basic", "memory_debug", "with_core_nodes"):
+        assert all(
+            w["low_vram"] is False
+            for kind in ("PixArtQ_T5Encode", "PixArtQ_Sampler")
+            for w in widgets_of(name, kind)
+        )
+
+
+def chain(api: dict) -> list[str]:
+    """The class types from the text encoder to the first Save Image, following the links back."""
+    (key,) = [k for k, e in api.items() if e["class_type"] == "SaveImage"]
+    types = []
+    while True:
+        types.append(api[key]["class_type"])
+        links = [v for v in api[key]["inputs"].values() if is_link(v)]
+        if not links:
+            return types[::-1]
+        key = links[0][0]
+
+
+def test_memory_debug_workflow_frees_after_every_stage_and_snapshots():
+    assert chain(read(api_file("memory_debug"))) == [
+        "PixArtQ_T5Encode",
+        "PixArtQ_FreeVRAM",
+        "PixArtQ_Sampler",
+        "PixArtQ_FreeVRAM",
+        "PixArtQ_VAEDecode",
+        "PixArtQ_FreeVRAM",
+        "PixArtQ_MemorySnapshot",
+        "SaveImage",
+    ]
+    assert chain(read(api_file("basic"))) == [
+        "PixArtQ_T5Encode",
+        "PixArtQ_Sampler",
+        "PixArtQ_VAEDecode",
+        "PixArtQ_MemorySnapshot",
+        "SaveImage",
+    ]
+
+
+def test_with_core_nodes_workflow_decodes_the_latent_with_core_nodes():
+    api = read(api_file("with_core_nodes"))
+    by_type = {entry["class_type"]: key for key, entry in api.items()}
+    assert set(by_type) == {
+        "PixArtQ_T5Encode",
+        "PixArtQ_Sampler",
+        "VAELoader",
+        "VAEDecode",
+        "SaveImage",
+        "PreviewImage",
+    }
+    assert api[by_type["VAELoader"]]["inputs"]["vae_name"] == "sdxl_vae.safetensors"
+    decode = api[by_type["VAEDecode"]]["inputs"]
+    assert decode == {"samples": [by_type["PixArtQ_Sampler"], 0], "vae": [by_type["VAELoader"], 0]}
+    for output in ("SaveImage", "PreviewImage"):
+        assert api[by_type[output]]["inputs"]["images"] == [by_type["VAEDecode"], 0]
