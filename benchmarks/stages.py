@@ -21,37 +21,104 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = {
-    # name: (T5 quantization, transformer weights, VAE tiling, pre-quantized cache)
-    "reference (T5 bf16, fp16)": ("none", "none", "off", "off"),
-    "recipe (T5 nf4, wo bf16, qint8)": ("nf4-recipe", "qint8", "off", "off"),
-    "pack default, cache cold (T5 nf4 whole, qint8, tiling auto)": ("nf4", "qint8", "auto", "on"),
-    "pack default, cache warm": ("nf4", "qint8", "auto", "on"),
-    "pack, tiled decode": ("nf4", "qint8", "on", "on"),
+# name: settings of the pack's stages; "pipeline" rows run diffusers' PixArtSigmaPipeline instead.
+CONFIGS: dict[str, dict] = {
+    "reference (T5 bf16, fp16)": dict(t5="none", weights="none", tiling="off", cache="off"),
+    "diffusers pipeline, fp16, all on the GPU": dict(pipeline="gpu"),
+    "diffusers pipeline, fp16, enable_model_cpu_offload": dict(pipeline="model_offload"),
+    "recipe (T5 nf4, wo bf16, qint8)": dict(t5="nf4-recipe", weights="qint8", tiling="off", cache="off"),
+    "pack default, cache cold (T5 nf4 whole, qint8, tiling auto)": dict(
+        t5="nf4", weights="qint8", tiling="auto", cache="on"
+    ),
+    "pack default, cache warm": dict(t5="nf4", weights="qint8", tiling="auto", cache="on"),
+    "pack, tiled decode": dict(t5="nf4", weights="qint8", tiling="on", cache="on"),
+    "pack low-VRAM (streamed T5 nf4 + qint8, tiled decode)": dict(
+        t5="nf4", weights="qint8", tiling="on", cache="on", low_vram=True
+    ),
+    "pack low-VRAM, T5 unquantized (bf16 streamed)": dict(
+        t5="none", weights="qint8", tiling="on", cache="on", low_vram=True
+    ),
 }
 SETTINGS = dict(width=1024, height=1024, steps=20, cfg=4.5, seed=0)
 PROMPT = "a photo of a red cat sitting in a sunlit garden, detailed fur"
 
 
-def run_one(model_dir: str, t5: str, weights: str, tiling: str, cache: str, out: Path) -> None:
+def run_one(model_dir: str, config: dict, out: Path) -> None:
     """One configuration, in this (fresh) process: the three stages, figures and tensors to ``out``."""
     import diffusers  # noqa: F401  (imported before the clock starts: ComfyUI has it loaded already)
     import transformers  # noqa: F401
 
+    if "pipeline" in config:
+        return run_pipeline(model_dir, config["pipeline"], out)
     from pixart_lowvram.core import memory, models, sampler, text_encoder, vae
 
     source = models.resolve_model(model_dir)
     report = memory.MemoryReport()
+    low_vram = config.get("low_vram", False)
     start = time.perf_counter()
-    cache_dir = out.parent / "quant_cache" if cache == "on" else None
+    cache_dir = out.parent / "quant_cache" if config["cache"] == "on" else None
     embeds = text_encoder.encode(
-        source, PROMPT, "", quantization=t5, device="cuda", quant_cache_dir=cache_dir, report=report
+        source,
+        PROMPT,
+        "",
+        quantization=config["t5"],
+        device="cuda",
+        quant_cache_dir=cache_dir,
+        report=report,
+        low_vram=low_vram,
     )
-    latents = sampler.sample(source, embeds, quantization=weights, device="cuda", report=report, **SETTINGS)
-    images = vae.decode(source, latents, device="cuda", tiling=tiling, report=report)
+    latents = sampler.sample(
+        source,
+        embeds,
+        quantization=config["weights"],
+        device="cuda",
+        report=report,
+        low_vram=low_vram,
+        **SETTINGS,
+    )
+    images = vae.decode(source, latents, device="cuda", tiling=config["tiling"], report=report)
     seconds = time.perf_counter() - start
     torch.save({"embeds": embeds.prompt_embeds, "latents": latents, "images": images}, out.with_suffix(".pt"))
     out.with_suffix(".json").write_text(json.dumps({**report.to_dict(), "seconds": seconds}))
+
+
+def run_pipeline(model_dir: str, placement: str, out: Path) -> None:
+    """diffusers' own PixArtSigmaPipeline in fp16, all on the GPU or with model offload; one peak for the
+    whole run (the pipeline has no stages to measure apart)."""
+    from diffusers import PixArtSigmaPipeline
+
+    start = time.perf_counter()
+    pipe = PixArtSigmaPipeline.from_pretrained(model_dir, dtype=torch.float16)
+    if placement == "gpu":
+        pipe.to("cuda")
+    else:
+        pipe.enable_model_cpu_offload()
+    generator = torch.Generator("cpu").manual_seed(SETTINGS["seed"])
+    latents = pipe(
+        PROMPT,
+        width=SETTINGS["width"],
+        height=SETTINGS["height"],
+        num_inference_steps=SETTINGS["steps"],
+        guidance_scale=SETTINGS["cfg"],
+        generator=generator,
+        output_type="latent",
+        return_dict=False,
+    )[0]
+    images = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = {
+        "stage": "whole pipeline",
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "seconds": seconds,
+    }
+    peak["peak_reserved"] = torch.cuda.max_memory_reserved()
+    out.with_suffix(".json").write_text(json.dumps({"stages": [peak], "seconds": seconds}))
+    images = (images.float().cpu().permute(0, 2, 3, 1) / 2 + 0.5).clamp(0, 1)
+    torch.save(
+        {"latents": (latents / pipe.vae.config.scaling_factor).float().cpu(), "images": images},
+        out.with_suffix(".pt"),
+    )
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -64,12 +131,11 @@ def main() -> int:
     )
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument(
-        "--one", nargs=5, metavar=("T5", "WEIGHTS", "TILING", "CACHE", "OUT"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
+    parser.add_argument("--one", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        run_one(str(args.model_dir), *args.one[:4], Path(args.one[4]))
+        run_one(str(args.model_dir), CONFIGS[args.one[0]], Path(args.one[1]))
         return 0
 
     from pixart_lowvram.core.random_model import ensure_random_pixart
@@ -78,19 +144,20 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     shutil.rmtree(args.out / "quant_cache", ignore_errors=True)  # the first cached config starts cold
-    for i, (name, (t5, weights, tiling, cache)) in enumerate(CONFIGS.items()):
+    names = args.only or list(CONFIGS)
+    for i, name in enumerate(names):
         stem = args.out / f"config{i}"
-        one = [t5, weights, tiling, cache, str(stem)]
         subprocess.run(
-            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", *one], check=True
+            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", name, str(stem)],
+            check=True,
         )
-        settings = {"t5": t5, "weights": weights, "tiling": tiling, "quant_cache": cache}
-        results[name] = {**settings, **json.loads(stem.with_suffix(".json").read_text())}
+        results[name] = {**CONFIGS[name], **json.loads(stem.with_suffix(".json").read_text())}
         results[name]["tensors"] = torch.load(stem.with_suffix(".pt"))
     ref = next(iter(results.values()))["tensors"]
     for r in results.values():
         tensors = r.pop("tensors")
-        r["embeds_cosine"] = cosine(tensors["embeds"], ref["embeds"])
+        if "embeds" in tensors:
+            r["embeds_cosine"] = cosine(tensors["embeds"], ref["embeds"])
         r["latents_cosine"] = cosine(tensors["latents"], ref["latents"])
         r["image_mean_abs_diff"] = float((tensors["images"] - ref["images"]).abs().mean())
     meta = {
@@ -125,8 +192,12 @@ def markdown(meta: dict, results: dict) -> str:
     ]
     for name, r in results.items():
         peaks = [stage["peak_allocated"] / gib for stage in r["stages"]]
-        cells = [f"{p:.2f}" for p in [*peaks, max(peaks)]]
-        cells += [f"{stage['seconds']:.2f}" for stage in r["stages"]]
-        cells += [f"{r['seconds']:.2f}", f"{r['embeds_cosine']:.4f}", f"{r['latents_cosine']:.4f}"]
+        times = [stage["seconds"] for stage in r["stages"]]
+        if len(peaks) == 1:  # a diffusers pipeline: one figure for the whole run
+            cells = ["–"] * 3 + [f"{peaks[0]:.2f}"] + ["–"] * 3
+        else:
+            cells = [f"{p:.2f}" for p in [*peaks, max(peaks)]] + [f"{t:.2f}" for t in times]
+        embeds = f"{r['embeds_cosine']:.4f}" if "embeds_cosine" in r else "–"
+        cells += [f"{r['seconds']:.2f}", embeds, f"{r['latents_cosine']:.4f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

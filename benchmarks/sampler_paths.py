@@ -1,0 +1,210 @@
+"""Which transformer weight formats make the PixArt-Σ sampler fast and small: each candidate in a fresh
+process, on the full-size architecture (random weights) at 1024² with classifier-free guidance (batch 2),
+20 transformer calls timed after warm-up. Reports the time relative to fp16 eager measured in the same
+run, peak allocated memory, and the output's cosine against fp16 eager.
+
+    python benchmarks/sampler_paths.py --model-dir DIR --out DIR [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CALLS = 20  # one 20-step image with cfg: the two halves go through the transformer as one batch
+TOKENS = 300
+
+# name: (compute dtype, how the weights are made, torch.compile)
+CANDIDATES = {
+    "fp16 eager": ("float16", "none", False),
+    "bf16 eager": ("bfloat16", "none", False),
+    "fp16 compiled": ("float16", "none", True),
+    "quanto qint8 fp16": ("float16", "quanto-qint8", False),
+    "quanto qint8 fp16 compiled": ("float16", "quanto-qint8", True),
+    "quanto qfloat8 fp16": ("float16", "quanto-qfloat8", False),
+    "quanto qint4 fp16": ("float16", "quanto-qint4", False),
+    "torchao fp8 dyn. act. + weight (row) bf16": ("bfloat16", "torchao-fp8-dynamic", False),
+    "torchao fp8 dyn. act. + weight (row) bf16 compiled": ("bfloat16", "torchao-fp8-dynamic", True),
+    "torchao fp8 weight-only bf16": ("bfloat16", "torchao-fp8-weight", False),
+    "torchao int8 dyn. act. + weight fp16": ("float16", "torchao-int8-dynamic", False),
+    "torchao int8 dyn. act. + weight fp16 compiled": ("float16", "torchao-int8-dynamic", True),
+    "torchao int8 weight-only fp16": ("float16", "torchao-int8-weight", False),
+    "torchao int8 weight-only bf16": ("bfloat16", "torchao-int8-weight", False),
+}
+
+
+def in_blocks(module: torch.nn.Module, name: str) -> bool:
+    return isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
+
+
+def convert(model: torch.nn.Module, how: str) -> None:
+    if how == "none":
+        return
+    if how.startswith("quanto-"):
+        from optimum.quanto import freeze, qfloat8, qint4, qint8, quantize
+
+        weights = {"qint8": qint8, "qfloat8": qfloat8, "qint4": qint4}[how.split("-")[1]]
+        quantize(model, weights=weights, exclude=["proj_out"])
+        freeze(model)
+        return
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+        quantize_,
+    )
+
+    config = {
+        "torchao-fp8-dynamic": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        "torchao-fp8-weight": Float8WeightOnlyConfig,
+        "torchao-int8-dynamic": Int8DynamicActivationInt8WeightConfig,
+        "torchao-int8-weight": Int8WeightOnlyConfig,
+    }[how]()
+    quantize_(model, config, filter_fn=in_blocks)
+
+
+def run_one(model_dir: str, name: str, out: Path) -> None:
+    from diffusers import PixArtTransformer2DModel
+
+    dtype_name, how, compiled = CANDIDATES[name]
+    dtype = getattr(torch, dtype_name)
+    result: dict = {"name": name}
+    start = time.perf_counter()
+    model = PixArtTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype)
+    model.to("cuda").eval()
+    convert(model, how)
+    torch.cuda.synchronize()
+    result["prepare_s"] = time.perf_counter() - start
+    result["resident_bytes"] = torch.cuda.memory_allocated()
+    generator = torch.Generator("cpu").manual_seed(0)
+    latents = torch.randn(2, 4, 128, 128, generator=generator).to("cuda", dtype)
+    caption = torch.randn(2, TOKENS, 4096, generator=generator).to("cuda", dtype) * 0.2
+    mask = torch.ones(2, TOKENS, device="cuda", dtype=torch.long)
+    mask[1, 20:] = 0  # the negative: a short prompt padded, as the pipeline gives it
+    timestep = torch.tensor([500, 500], device="cuda")
+    forward = torch.compile(model) if compiled else model
+
+    def call():
+        return forward(
+            latents,
+            encoder_hidden_states=caption,
+            encoder_attention_mask=mask,
+            timestep=timestep,
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            return_dict=False,
+        )[0]
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        output = call()
+        torch.cuda.synchronize()
+        result["first_call_s"] = time.perf_counter() - start
+        for _ in range(2):
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(CALLS):
+            output = call()
+        end.record()
+        torch.cuda.synchronize()
+    result["seconds"] = begin.elapsed_time(end) / 1000
+    result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    result["finite"] = bool(torch.isfinite(output).all())
+    torch.save(output.float().cpu(), out.with_suffix(".pt"))
+    out.with_suffix(".json").write_text(json.dumps(result))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", nargs="*", default=None, help="candidate names (default: all)")
+    parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(str(args.model_dir), args.one[0], Path(args.one[1]))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = args.only or list(CANDIDATES)
+    if "fp16 eager" not in names:
+        names.insert(0, "fp16 eager")
+    results = {}
+    for i, name in enumerate(names):
+        stem = args.out / f"candidate{i}"
+        command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--out", str(args.out)]
+        try:
+            proc = subprocess.run(
+                [*command, "--one", name, str(stem)], capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            results[name] = {"name": name, "error": f"timed out after {args.timeout} s"}
+            continue
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            results[name] = {"name": name, "error": " | ".join(lines[-3:])[-600:]}
+            continue
+        results[name] = json.loads(stem.with_suffix(".json").read_text())
+        results[name]["output"] = torch.load(stem.with_suffix(".pt"))
+        print(name, {k: v for k, v in results[name].items() if k != "output"}, flush=True)
+    reference = results["fp16 eager"]["output"].flatten().double()
+    for r in results.values():
+        if "output" in r:
+            out = r.pop("output").flatten().double()
+            r["cosine"] = float(torch.nn.functional.cosine_similarity(out, reference, dim=0))
+            r["vs_fp16"] = r["seconds"] / results["fp16 eager"]["seconds"]
+    (args.out / "sampler_paths.json").write_text(json.dumps(meta() | {"results": results}, indent=2))
+    (args.out / "sampler_paths.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+def meta() -> dict:
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for module in ("diffusers", "optimum.quanto", "torchao"):
+        try:
+            info[module] = __import__(module, fromlist=["__version__"]).__version__
+        except ImportError:
+            info[module] = "not installed"
+    return info
+
+
+def markdown(results: dict) -> str:
+    gib = 2**30
+    lines = [
+        f"{meta()['gpu']}, {meta()['date']}, torch {meta()['torch']}; full-size transformer, random weights, "
+        f"1024², batch 2 (cfg), {CALLS} calls after warm-up.",
+        "",
+        "| candidate | time vs fp16 eager | seconds | peak GiB | weights GiB | first call s | cosine vs fp16 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | fails: {r['error'].replace('|', '/')} | | | | | |")
+            continue
+        finite = "" if r["finite"] else " (not finite)"
+        lines.append(
+            f"| {name} | {r['vs_fp16']:.3f}× | {r['seconds']:.3f} | {r['peak_bytes'] / gib:.2f} | "
+            f"{r['resident_bytes'] / gib:.2f} | {r['first_call_s']:.1f} | {r['cosine']:.5f}{finite} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
