@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .models import MODEL_INDEX
+from .models import MODEL_INDEX, original_key_map
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,22 @@ SIZES: dict[str, dict[str, dict]] = {
         "transformer": dict(
             sample_size=8, num_layers=2, attention_head_dim=32, num_attention_heads=2,
             caption_channels=64, cross_attention_dim=64, interpolation_scale=1,
+        ),
+        # The real SDXL VAE's widths: ComfyUI's VAELoader builds that architecture whatever the file holds,
+        # so only a full-width VAE can be loaded by both the pack and core ComfyUI (interop tests).
+        "vae": dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=64),
+    },
+    # The smallest model ComfyUI core loads too: core fixes the transformer's width (1152, 16 heads of 72)
+    # and caption width (4096, so T5's d_model) and reads only the depth from the weights. 512 px native:
+    # core's position embedding needs an image side of about 320 px or more.
+    "tiny-core": {
+        "text_encoder": dict(
+            d_model=4096, d_kv=32, d_ff=128, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        ),
+        "transformer": dict(
+            sample_size=64, num_layers=1, attention_head_dim=72, num_attention_heads=16,
+            caption_channels=4096, cross_attention_dim=1152, interpolation_scale=1,
         ),
         "vae": dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1, sample_size=64),
     },
@@ -215,3 +231,37 @@ def ensure_random_pixart(folder: str | os.PathLike, preset: str = "tiny", **kwar
     if (folder / MODEL_INDEX).is_file():
         return folder
     return build_random_pixart(folder, preset, **kwargs)
+
+
+# Original checkpoints hold the learned empty caption (one row per caption token); diffusers has no use
+# for it, ComfyUI reads the caption length from its rows.
+CAPTION_TOKENS = 300
+
+
+def save_single_file_transformer(folder: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Write the transformer of the diffusers model ``folder`` as one safetensors file in the original
+    PixArt layout, the one ComfyUI's Load Diffusion Model (UNETLoader) reads: q, k, v fused, PixArt's
+    key names, and a zero empty-caption table of 300 rows (diffusers keeps none; only its length is read)."""
+    from safetensors.torch import load_file, save_file
+
+    source = Path(folder) / "transformer"
+    weights = sorted(source.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{source} holds no .safetensors weights to convert.")
+    state: dict[str, torch.Tensor] = {}
+    for file in weights:  # one file, or the shards of a large model
+        state.update(load_file(file))
+    depth = 1 + max(int(key.split(".")[1]) for key in state if key.startswith("transformer_blocks."))
+    out = {
+        original: torch.cat([state[key] for key in targets]).contiguous()
+        for original, targets in original_key_map(depth).items()
+    }
+    caption = state["caption_projection.linear_1.weight"]
+    out["y_embedder.y_embedding"] = torch.zeros(CAPTION_TOKENS, caption.shape[1], dtype=caption.dtype)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(out, partial, metadata={"format": "pt"})
+    partial.replace(path)
+    logger.info("wrote the transformer of %s as %s (original PixArt layout)", folder, path)
+    return path

@@ -41,6 +41,7 @@ NODE_IDS = (
 MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 MODEL = "tiny-pixart"
+SDXL_VAE_FILE = "sdxl_vae.safetensors"  # in models/vae when running_server is given sdxl_vae_file
 SIZE, STEPS = 64, 3  # the tiny model's native size
 
 START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 s
@@ -247,16 +248,31 @@ def wait_until_up(process: subprocess.Popen, url: str, log: Path) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    request, base: Path, tiny_folder: Path, extra_args: tuple[str, ...] = ()
+    request,
+    base: Path,
+    tiny_folder: Path,
+    extra_args: tuple[str, ...] = (),
+    sdxl_vae_file: Path | None = None,
 ) -> Iterator[ComfyServer]:
     """A ComfyUI server on a free local port with ``base`` as its base directory (custom_nodes/ links to
-    this repository, models/diffusers/ holds the tiny model), stopped on exit; its log is printed when a
-    test of the module failed meanwhile."""
+    this repository, models/diffusers/ holds the tiny model, models/vae/ holds ``sdxl_vae_file`` as
+    ``SDXL_VAE_FILE`` when one is given), stopped on exit; its log is printed when a test of the module
+    failed meanwhile."""
     comfyui = Path(os.environ["COMFYUI_PATH"]).resolve()
-    for folder in ("custom_nodes", "models/diffusers", "models/vae_approx", "output", "input", "temp"):
+    for folder in (
+        "custom_nodes",
+        "models/diffusers",
+        "models/vae",
+        "models/vae_approx",
+        "output",
+        "input",
+        "temp",
+    ):
         (base / folder).mkdir(parents=True)
     (base / "custom_nodes" / "comfyui-pixart-lowvram").symlink_to(REPO, target_is_directory=True)
     shutil.copytree(tiny_folder, base / "models" / "diffusers" / MODEL)
+    if sdxl_vae_file is not None:
+        shutil.copyfile(sdxl_vae_file, base / "models" / "vae" / SDXL_VAE_FILE)
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

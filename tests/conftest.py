@@ -41,6 +41,20 @@ def tiny(tiny_folder: Path) -> ModelSource:
 
 
 @pytest.fixture(scope="session")
+def sdxl_vae_file(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -> Path:
+    """The tiny model's VAE as one file in the original (ldm) key layout, as most ``sdxl_vae.safetensors``
+    downloads are: ComfyUI's core VAELoader loads it (the tiny VAE has the real SDXL VAE's widths, the
+    only architecture core builds for it) and its weights equal the tiny model's vae/."""
+    from safetensors.torch import load_file, save_file
+    from vae_layout import to_original_layout
+
+    path = tmp_path_factory.mktemp("vae") / "sdxl_vae.safetensors"
+    weights = load_file(tiny_folder / "vae" / "diffusion_pytorch_model.safetensors")
+    save_file(to_original_layout(weights), path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def reference(tiny: ModelSource) -> SimpleNamespace:
     """The fp32, unquantized chain at the settings below; what quantized runs are measured against."""
     settings = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
