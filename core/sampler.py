@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from . import memory, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource
+from .models import ModelSource, TransformerFile, read_transformer_file
 from .quant import TRANSFORMER_SCHEMES, Quantization
 from .text_encoder import PixArtEmbeds
 
@@ -45,6 +46,7 @@ SCHEDULERS: tuple[str, ...] = tuple(_SCHEDULERS)
 DEFAULT_SCHEDULER = "dpmsolver++"  # what PixArt-Σ ships: the model folder's scheduler config as it is
 
 CUSTOM_RESOLUTION = "custom"
+NATIVE_RESOLUTION = "native"  # a square of the model's own size (its transformer's sample_size × 8)
 
 
 def check_size(name: str, value: int) -> None:
@@ -235,15 +237,54 @@ def make_scheduler(name: str, config: dict, skip: int = 0):
     return scheduler
 
 
+def transformer_weights(
+    source: ModelSource, transformer_file: str | os.PathLike | None = None
+) -> ModelSource | TransformerFile:
+    """Where the transformer comes from: ``source``'s transformer/ folder, or ``transformer_file`` (one
+    safetensors file) whose config fills what its weights do not say from ``source``'s transformer config
+    where ``source`` has one."""
+    if transformer_file is None:
+        return source
+    try:
+        folder_config = source.config("transformer")
+    except FileNotFoundError:
+        folder_config = {}
+    return read_transformer_file(transformer_file, folder_config)
+
+
+def native_size(source: ModelSource, transformer_file: str | os.PathLike | None = None) -> int:
+    """The side in pixels the transformer was trained at (512, 1024 or 2048 for PixArt-Σ's variants)."""
+    return transformer_weights(source, transformer_file).native_size
+
+
+def _from_file(weights: TransformerFile, dtype: torch.dtype):
+    """A transformer built empty from the file's inferred config, then given the file's weights (renamed
+    to diffusers' keys): diffusers has no single-file loader for PixArt."""
+    from accelerate import init_empty_weights
+    from diffusers import PixArtTransformer2DModel
+
+    with init_empty_weights():
+        model = PixArtTransformer2DModel.from_config(weights.config)
+    model.load_state_dict({key: value.to(dtype) for key, value in weights.state_dict().items()}, assign=True)
+    return model.to(dtype)  # the position embedding buffer too, as from_pretrained does
+
+
 def _load(
-    source: ModelSource, quant: Quantization, dtype: torch.dtype, device: torch.device, low_vram: bool = False
+    weights: ModelSource | TransformerFile,
+    quant: Quantization,
+    dtype: torch.dtype,
+    device: torch.device,
+    low_vram: bool = False,
 ):
     """The transformer, quantized, on ``device``; with ``low_vram`` quantized in CPU memory and its
     blocks streamed to ``device`` one at a time (:mod:`streaming`)."""
     from diffusers import PixArtTransformer2DModel
 
-    folder = source.folder(["transformer"])
-    model = PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype)
+    if isinstance(weights, TransformerFile):
+        model = _from_file(weights, dtype)
+    else:
+        folder = weights.folder(["transformer"])
+        model = PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype)
     model = quant.after_load(model)
     model.eval()
     if low_vram:
@@ -272,6 +313,7 @@ def sample(
     on_step: StepCallback | None = None,
     report: memory.MemoryReport | None = None,
     low_vram: bool = False,
+    transformer_file: str | os.PathLike | None = None,
 ) -> torch.Tensor:
     """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
     ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
@@ -287,6 +329,9 @@ def sample(
     noise at every step (ancestral, SDE), so a seed gives the same image on any device.
 
     ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
+
+    ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``source``'s
+    transformer/; ``source`` still gives the scheduler and the VAE's scaling factor.
     """
     if not isinstance(low_vram, bool):
         raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
@@ -298,7 +343,8 @@ def sample(
     device = as_device(device)
     quant = Quantization(quantization, device, TRANSFORMER_SCHEMES)
     dtype = resolve_dtype(dtype, device, cuda_default=torch.float16, cpu_default=torch.bfloat16)
-    config = source.config("transformer")
+    weights = transformer_weights(source, transformer_file)
+    config = weights.config if isinstance(weights, TransformerFile) else source.config("transformer")
     check_embeds(embeds, config.get("caption_channels", 4096), source.name)
     scale = scaling_factor(source)
     images = embeds.batch * batch_size
@@ -324,7 +370,7 @@ def sample(
         latents = noised / schedule.init_noise_sigma
     with memory.stage("sample", device, report):
         latents = _sample(
-            source,
+            weights,
             embeds,
             latents,
             steps,
@@ -342,7 +388,7 @@ def sample(
 
 
 def _sample(
-    source,
+    weights,
     embeds,
     latents,
     steps,
@@ -359,9 +405,9 @@ def _sample(
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("transformer", source.key, quant.scheme, dtype, str(device), low_vram)
+    key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram)
     total = steps - schedule.skip
-    load = lambda: _load(source, quant, dtype, device, low_vram)  # noqa: E731
+    load = lambda: _load(weights, quant, dtype, device, low_vram)  # noqa: E731
     with cache.use(key, load, keep_loaded) as transformer:
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule

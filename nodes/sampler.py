@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import folder_paths
 from comfy_api.latest import io
 
 from ..core import sampler
@@ -9,6 +10,33 @@ from . import common
 # validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
 # input that is not linked.
 _NOT_LINKED = object()
+FROM_MODEL = "(from model)"
+# Where ComfyUI keeps single-file diffusion models: Load Diffusion Model's folder, then full checkpoints.
+TRANSFORMER_FOLDERS = ("diffusion_models", "checkpoints")
+
+
+def transformer_files() -> list[str]:
+    """The safetensors files in models/diffusion_models and models/checkpoints (pickles are never offered)."""
+    names = {
+        name
+        for folder in TRANSFORMER_FOLDERS
+        for name in folder_paths.get_filename_list(folder)
+        if name.lower().endswith(".safetensors")
+    }
+    return sorted(names, key=str.lower)
+
+
+def transformer_path(name: str) -> str | None:
+    if name == FROM_MODEL:
+        return None
+    for folder in TRANSFORMER_FOLDERS:
+        path = folder_paths.get_full_path(folder, name)
+        if path is not None:
+            return path
+    raise FileNotFoundError(
+        f"transformer_file {name!r} is in neither models/diffusion_models nor models/checkpoints; put it there "
+        f"or choose {FROM_MODEL!r}."
+    )
 
 
 def _size_input(name: str) -> io.Int.Input:
@@ -85,11 +113,16 @@ class QuantoPixArtSampler(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "resolution",
-                    options=[sampler.CUSTOM_RESOLUTION, *sampler.resolution_presets()],
+                    options=[
+                        sampler.CUSTOM_RESOLUTION,
+                        sampler.NATIVE_RESOLUTION,
+                        *sampler.resolution_presets(),
+                    ],
                     default=sampler.CUSTOM_RESOLUTION,
                     optional=True,
-                    tooltip="custom: width and height. Otherwise one of PixArt's aspect-ratio sizes for its "
-                    "512, 1024 and 2048 px models, listed as width×height (width:height).",
+                    tooltip="custom: width and height. native: a square of the model's own size (512, 1024 or "
+                    "2048 px, from its transformer). Otherwise one of PixArt's aspect-ratio sizes for its 512, 1024 "
+                    "and 2048 px models, listed as width×height (width:height).",
                 ),
                 io.Combo.Input(
                     "scheduler",
@@ -110,6 +143,17 @@ class QuantoPixArtSampler(io.ComfyNode):
                     "only size and batch), 0 returns it unchanged. Below 1 needs a latent.",
                 ),
                 common.low_vram_input("the transformer's 28 blocks"),
+                io.Combo.Input(
+                    "transformer_file",
+                    options=[FROM_MODEL, *transformer_files()],
+                    default=FROM_MODEL,
+                    optional=True,
+                    tooltip="(from model): the model folder's transformer/. Or a PixArt-Σ transformer as one "
+                    ".safetensors file from models/diffusion_models or models/checkpoints (the original checkpoint "
+                    "ComfyUI's Load Diffusion Model reads, e.g. PixArt-Sigma-XL-2-2K-MS, or a diffusers transformer "
+                    "file). A size in its name (512, 1024, 2K) sets its native size; the model folder still gives "
+                    "the scheduler and the VAE.",
+                ),
             ],
             outputs=[
                 io.Latent.Output(tooltip="Latents in raw VAE space (divided by the VAE scaling factor).")
@@ -129,10 +173,12 @@ class QuantoPixArtSampler(io.ComfyNode):
         # Refused when the prompt is queued, before T5 runs. ComfyUI does not enforce an INT's step, and
         # leaves its range and combo checks to this function for the inputs it names.
         has_latent = latent is not _NOT_LINKED
+        native = resolution == sampler.NATIVE_RESOLUTION  # the model's size, known once it is read
         try:
-            width, height = sampler.preset_size(resolution, width, height)
+            if not native:
+                width, height = sampler.preset_size(resolution, width, height)
             sampler.check_denoise(denoise, has_latent)
-            if not has_latent:
+            if not has_latent and not native:
                 sampler.check_size("width", width)
                 sampler.check_size("height", height)
         except (TypeError, ValueError) as exc:
@@ -157,11 +203,16 @@ class QuantoPixArtSampler(io.ComfyNode):
         scheduler=sampler.DEFAULT_SCHEDULER,
         denoise=1.0,
         low_vram=False,
+        transformer_file=FROM_MODEL,
     ) -> io.NodeOutput:
-        width, height = sampler.preset_size(resolution, width, height)
+        source, file = common.resolve(model), transformer_path(transformer_file)
+        if resolution == sampler.NATIVE_RESOLUTION:
+            width = height = sampler.native_size(source, file)
+        else:
+            width, height = sampler.preset_size(resolution, width, height)
         report = common.begin_stage(cls.hidden.dynprompt)
         samples = sampler.sample(
-            common.resolve(model),
+            source,
             embeds,
             width=width,
             height=height,
@@ -178,5 +229,6 @@ class QuantoPixArtSampler(io.ComfyNode):
             on_step=common.step_callback(sampler.steps_to_run(steps, denoise)),
             report=report,
             low_vram=low_vram,
+            transformer_file=file,
         )
         return io.NodeOutput({"samples": samples})
