@@ -201,3 +201,7 @@ def markdown(meta: dict, results: dict) -> str:
         cells += [f"{r['seconds']:.2f}", embeds, f"{r['latents_cosine']:.4f}"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
