@@ -142,7 +142,8 @@ def run(args: argparse.Namespace, model: str) -> dict:
     Quantization(args.t5_quant, device, TEXT_ENCODER_SCHEMES)
     Quantization(args.quant, device, TRANSFORMER_SCHEMES)
     report = memory.MemoryReport()
-    recording = not args.no_snapshot and device.type == "cuda" and memory.history.ensure("cli")
+    if not args.no_snapshot and device.type == "cuda":
+        memory.history.ensure("cli")
     start = time.perf_counter()
     cache_dir = None if args.no_quant_cache else args.quant_cache or quant_cache.default_dir()
     embeds = text_encoder.encode(
@@ -178,13 +179,14 @@ def run(args: argparse.Namespace, model: str) -> dict:
 
     stem = outputs.next_stem(args.out, args.prefix)
     written = outputs.save_png(images, stem)
-    written += report.write(stem.with_name(stem.name + "_memory"))
-    if recording:
-        written.append(memory.history.dump(stem.with_name(stem.name + "_memory.pickle")))
+    # The memory report beside the images, as Memory Snapshot writes it: table, timeline, snapshot.
+    written += memory.write_report(report, stem.with_name(stem.name + "_memory")).files
     print(report.markdown())
     print(f"\n{len(images)} image(s) {width}x{height} in {seconds:.2f} s on {device}; wrote:")
     for path in written:
         print(f"  {path}")
+    if any(path.suffix == ".pickle" for path in written):
+        print("open the .pickle (the allocator snapshot) at https://pytorch.org/memory_viz")
     return {"images": images, "report": report, "files": written, "seconds": seconds}
 
 

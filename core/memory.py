@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import pickle
+import sys
 import time
 import traceback
 from collections import OrderedDict
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import outputs
@@ -26,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 NO_CUDA = "no CUDA"
 HISTORY_MAX_ENTRIES = 200_000
+
+
+def trace_clock_us() -> int:
+    """Now, in microseconds on the clock of the allocator trace's ``time_us``.
+
+    c10 stamps trace entries with ``c10::getTime()`` (converted from the TSC where it uses one,
+    c10/util/ApproximateClock.h): ``CLOCK_REALTIME`` on Linux, the time since the epoch that
+    ``time.time_ns()`` reads; ``steady_clock`` on Windows, QueryPerformanceCounter, which
+    ``time.perf_counter_ns()`` reads there."""
+    return (time.perf_counter_ns() if sys.platform == "win32" else time.time_ns()) // 1000
 
 
 def cuda_in_use(device: torch.device | str) -> bool:
@@ -55,6 +68,10 @@ class StageRecord:
     start_allocated: int | None = None
     start_reserved: int | None = None
     error: str | None = None
+    # When the stage began and ended, on the allocator trace's clock (trace_clock_us), to place it on the
+    # memory timeline.
+    started_us: int | None = None
+    ended_us: int | None = None
 
     def cells(self) -> list[str]:
         if self.peak_allocated is None:
@@ -137,6 +154,7 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         record.start_allocated = torch.cuda.memory_allocated(device)
         record.start_reserved = torch.cuda.memory_reserved(device)
     start = time.perf_counter()
+    record.started_us = trace_clock_us()
     try:
         with torch.inference_mode():
             yield
@@ -148,6 +166,7 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         raise
     finally:
         record.seconds = time.perf_counter() - start
+        record.ended_us = trace_clock_us()
         if on_cuda:
             record.peak_allocated = torch.cuda.max_memory_allocated(device)
             record.peak_reserved = torch.cuda.max_memory_reserved(device)
@@ -162,43 +181,76 @@ class History:
 
     def __init__(self) -> None:
         self.run_id: str | None = None
+        # When this run's recording began (trace_clock_us): the timeline starts there, and events of an
+        # earlier run still in the buffer only set the level it starts from.
+        self.started_us: int | None = None
 
     def ensure(self, run_id: str) -> bool:
         """Record from now on for ``run_id``; False when there is no CUDA."""
         if not torch.cuda.is_available():
             return False
+        if self.run_id != run_id:
+            self.started_us = trace_clock_us()
         if self.run_id is None:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_MAX_ENTRIES)
         self.run_id = run_id
         return True
 
-    def dump(self, path: Path) -> Path | None:
-        """Write the snapshot pickle and stop recording; None without CUDA."""
-        if not torch.cuda.is_available():
+    def dump(self, path: Path) -> dict | None:
+        """Write the allocator snapshot to ``path`` (a pickle, as ``torch.cuda.memory._dump_snapshot``
+        writes it), stop recording and return the snapshot; None when nothing was recorded."""
+        if self.run_id is None or not torch.cuda.is_available():
             return None
-        torch.cuda.memory._dump_snapshot(str(path))
+        snapshot = torch.cuda.memory._snapshot()
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
         torch.cuda.memory._record_memory_history(enabled=None)
         self.run_id = None
-        return path
+        return snapshot
 
 
 history = History()
 
 
-def write_record(report: MemoryReport, folder: Path, prefix: str) -> str:
-    """Write the stage table (.md, .json) and, with CUDA, the allocator snapshot (.pickle) under
-    ``folder``; return a summary for the user."""
-    stem = outputs.next_stem(folder, prefix)
+@dataclass
+class Record:
+    """What :func:`write_report` wrote, the timeline picture and a summary for the user."""
+
+    files: list[Path]
+    picture: np.ndarray  # [H, W, 3] uint8 RGB
+    summary: str
+
+
+def write_report(report: MemoryReport, stem: Path) -> Record:
+    """Write ``stem.md`` and ``stem.json`` (the stage table), ``stem.png`` (the memory timeline) and, when the
+    allocator history was recorded, ``stem.pickle`` (the snapshot, which also stops the recording)."""
+    # Imported here: the picture needs matplotlib, which nothing else in core does.
+    from . import timeline
+
+    since_us = history.started_us
+    pickle_path = stem.with_name(stem.name + ".pickle")
+    snapshot = history.dump(pickle_path)
     written = report.write(stem)
-    snapshot = history.dump(stem.with_name(stem.name + ".pickle"))
     if snapshot is not None:
-        written.append(snapshot)
+        written.append(pickle_path)
+    png = stem.with_name(stem.name + ".png")
+    line = timeline.build(report.stages, snapshot, since_us)
+    picture = line.save(png)
+    written.append(png)
     lines = [
         report.markdown() if report.stages else "no stage of the pack ran in this prompt (cached outputs?)"
     ]
-    peak = report.peak_allocated
-    lines.append(f"peak allocated over the prompt: {format_bytes(peak)}")
+    lines.append(f"peak allocated over the prompt: {format_bytes(report.peak_allocated)}")
+    if line.peak is not None:
+        lines.append(f"timeline: {line.peak.label()}")
     if snapshot is None:
-        lines.append(f"{NO_CUDA}: no allocator snapshot")
+        lines.append(
+            f"{NO_CUDA}: no allocator snapshot" if not torch.cuda.is_available() else "no allocator history"
+        )
     lines.append("files: " + ", ".join(p.name for p in written))
-    return "\n".join(lines)
+    return Record(written, picture, "\n".join(lines))
+
+
+def write_record(report: MemoryReport, folder: Path, prefix: str) -> Record:
+    """:func:`write_report` under the next free ``prefix_NNNNN`` name in ``folder``."""
+    return write_report(report, outputs.next_stem(folder, prefix))

@@ -172,7 +172,7 @@ def test_memory_record_lists_the_stages(run_stage, tmp_path, prefix):
     report = memory.MemoryReport()
     run_stage("text_encoder", report=report)
     run_stage("vae", report=report)
-    summary = memory.write_record(report, tmp_path, prefix)
+    summary = memory.write_record(report, tmp_path, prefix).summary
     memory.write_record(report, tmp_path, prefix)
     assert "t5_encode" in summary and "vae_decode" in summary
     names = {p.name for p in tmp_path.iterdir()}
