@@ -44,6 +44,7 @@ WIDGETS = {
         "scheduler",
         "denoise",
         "low_vram",
+        "transformer_file",
     ),
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling"),
     "PixArtQ_FreeVRAM": (),
@@ -57,14 +58,17 @@ WIDGETS = {
 # socket: it takes any type, and the node's ANY output has the type linked to its input.
 ANY = "*"
 SOCKETS = {
-    "PixArtQ_T5Encode": ([], [("embeds", "PIXART_EMBEDS")]),
+    "PixArtQ_T5Encode": (
+        [],
+        [("embeds", "PIXART_EMBEDS"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")],
+    ),
     "PixArtQ_Sampler": (
         [("embeds", "PIXART_EMBEDS", False), ("latent", "LATENT", True)],
         [("LATENT", "LATENT")],
     ),
     "PixArtQ_VAEDecode": ([("latent", "LATENT", False)], [("IMAGE", "IMAGE")]),
     "PixArtQ_FreeVRAM": ([("value", ANY, False)], [("value", ANY)]),
-    "PixArtQ_MemorySnapshot": ([("value", ANY, False)], [("value", ANY)]),
+    "PixArtQ_MemorySnapshot": ([("value", ANY, False)], [("value", ANY), ("timeline", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE", False)], []),
     "PreviewImage": ([("images", "IMAGE", False)], []),
     "VAELoader": ([], [("VAE", "VAE")]),
@@ -91,7 +95,7 @@ INPUT_ORDER = {
 # Frontend-only nodes: drawn on the canvas, left out of the API format.
 VIRTUAL = {"MarkdownNote": ("text",), "Note": ("text",)}
 # Inputs that name a model file or folder: a name under one of ComfyUI's model folders, never a path.
-MODEL_INPUTS = {"model", "t5_file", "vae_name"}
+MODEL_INPUTS = {"model", "t5_file", "transformer_file", "vae_name"}
 # The frontend draws optional inputs with this shape (a hollow circle); only they may be left unlinked.
 OPTIONAL_SHAPE = 7
 # Widgets the frontend follows with a "control after generate" value of its own.
