@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import memory, streaming
+from . import estimates, memory, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, TransformerFile, read_transformer_file
@@ -408,7 +408,8 @@ def _sample(
     key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram)
     total = steps - schedule.skip
     load = lambda: _load(weights, quant, dtype, device, low_vram)  # noqa: E731
-    with cache.use(key, load, keep_loaded) as transformer:
+    room = estimates.transformer(quant.scheme, dtype, latents)  # (weights, work) bytes, for the host
+    with cache.use(key, load, keep_loaded, device, *room) as transformer:
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
         )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import memory, quant_cache, streaming
+from . import estimates, memory, quant_cache, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, T5File, read_t5_file
@@ -224,7 +224,8 @@ def _encode(
 
     key = ("text_encoder", weights.key, quant.scheme, dtype, str(device), low_vram)
     load = lambda: _load(weights, quant, dtype, device, cache_dir, low_vram)  # noqa: E731
-    with cache.use(key, load, keep_loaded) as text_encoder:
+    room = estimates.text_encoder(quant.scheme, dtype)  # (weights, work) bytes, for the host to make room
+    with cache.use(key, load, keep_loaded, device, *room) as text_encoder:
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None

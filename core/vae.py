@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
 import torch
 
-from . import memory
+from . import estimates, memory
 from .cache import cache
 from .devices import as_device, resolve_dtype
 from .models import ModelSource
@@ -18,6 +22,33 @@ MIN_TILE_SIZE = 64
 # An untiled SDXL-VAE decode holds about this many activation bytes per output pixel and per byte of
 # its dtype (measured: 2.4 GiB over the weights at 1024² in bf16), plus a margin.
 ACTIVATION_BYTES_PER_PIXEL = 1300
+# A tiled decode at TILE_SIZE peaked at 0.80 GiB in bf16, 0.16 GiB of it the weights (84 M parameters).
+VAE_PARAMETERS = 84_000_000
+TILED_WORK_BYTES_PER_PIXEL = 0.64 * estimates.GIB / TILE_SIZE**2 / 2  # per tile pixel and dtype byte
+
+FROM_MODEL = "(model folder)"
+CONV_IN = "decoder.conv_in.weight"  # the same name in both key layouts
+VAE_FILE_HINT = (
+    "Use the SDXL VAE as a .safetensors file in models/vae (e.g. sdxl_vae.safetensors, in the original or "
+    "the diffusers key layout), or choose (model folder) to use the PixArt-Σ model's own vae/."
+)
+# The SDXL VAE's diffusers config, for a single file when the model is not a local folder (a hub id):
+# reading a config must never go to the network.
+SDXL_VAE_CONFIG = {
+    "_class_name": "AutoencoderKL",
+    "act_fn": "silu",
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "force_upcast": True,
+    "in_channels": 3,
+    "latent_channels": 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "out_channels": 3,
+    "sample_size": 1024,
+    "scaling_factor": 0.13025,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
 
 
 def check_latents(samples: object) -> None:
@@ -28,10 +59,51 @@ def check_latents(samples: object) -> None:
     )
 
 
-def _load(source: ModelSource, dtype: torch.dtype, device: torch.device):
+def check_vae_file(path: str | Path) -> Path:
+    """Refuse anything but a readable safetensors file holding an SDXL-family VAE (4 latent channels), reading
+    only its header, before anything loads."""
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        kind = path.suffix or "file without an extension"
+        raise ValueError(
+            f"vae_file {str(path)!r}: only .safetensors files are read (a {kind} may hold a pickle, which "
+            f"can run code when loaded). {VAE_FILE_HINT}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"vae_file {str(path)!r} does not exist. {VAE_FILE_HINT}")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            names = set(f.keys())  # safe_open is not a container: ``in f`` does not work
+            shape = f.get_slice(CONV_IN).get_shape() if CONV_IN in names else None
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"vae_file {str(path)!r} is not a readable safetensors file ({exc}). {VAE_FILE_HINT}"
+        ) from exc
+    if shape is None or len(shape) != 4 or shape[1] != SDXL_VAE_CONFIG["latent_channels"]:
+        found = f"no {CONV_IN}" if shape is None else f"{CONV_IN} of shape {shape}"
+        raise ValueError(
+            f"vae_file {str(path)!r} is not an SDXL VAE ({found}; the SDXL VAE decodes 4 latent channels, "
+            f"shape [512, 4, 3, 3]). PixArt-Σ's latents are SDXL-VAE latents. {VAE_FILE_HINT}"
+        )
+    return path
+
+
+def _load(source: ModelSource, dtype: torch.dtype, device: torch.device, vae_file: Path | None = None):
     from diffusers import AutoencoderKL
 
-    model = AutoencoderKL.from_pretrained(source.folder(["vae"]), subfolder="vae", dtype=dtype)
+    if vae_file is None:
+        model = AutoencoderKL.from_pretrained(source.folder(["vae"]), subfolder="vae", dtype=dtype)
+    elif source.path is not None and (source.path / "vae" / "config.json").is_file():
+        # The model's own VAE config (local: no network), so the file replaces its weights only.
+        model = AutoencoderKL.from_single_file(
+            str(vae_file), config=str(source.path / "vae"), torch_dtype=dtype
+        )
+    else:
+        with tempfile.TemporaryDirectory() as config:
+            (Path(config) / "config.json").write_text(json.dumps(SDXL_VAE_CONFIG))
+            model = AutoencoderKL.from_single_file(str(vae_file), config=config, torch_dtype=dtype)
     model.to(device)
     model.eval()
     return model
@@ -41,6 +113,14 @@ def untiled_bytes(samples: torch.Tensor, dtype: torch.dtype) -> int:
     """Estimated activation memory of an untiled decode of ``samples``."""
     batch, _, height, width = samples.shape
     return batch * height * width * 64 * dtype.itemsize * ACTIVATION_BYTES_PER_PIXEL
+
+
+def needs(samples: torch.Tensor, dtype: torch.dtype, tile: int | None) -> tuple[int, int]:
+    """(weights, work) of a decode of ``samples``: untiled as :func:`untiled_bytes`, tiled per tile."""
+    weights = VAE_PARAMETERS * dtype.itemsize
+    if tile is None:
+        return weights, untiled_bytes(samples, dtype)
+    return weights, int(samples.shape[0] * tile * tile * dtype.itemsize * TILED_WORK_BYTES_PER_PIXEL)
 
 
 def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -65,13 +145,17 @@ def decode(
     tiling: str = "auto",
     tile_size: int = TILE_SIZE,
     report: memory.MemoryReport | None = None,
+    vae_file: str | Path | None = None,
 ) -> torch.Tensor:
     """Decode raw-VAE-space latents ``[B, 4, h, w]`` to images ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU.
 
     ``tiling``: ``on`` decodes in overlapping, blended tiles of ``tile_size`` pixels (much less
     memory), ``off`` in one piece, ``auto`` tiles when the whole would not fit in free GPU memory.
+    ``vae_file``: the SDXL VAE as one safetensors file instead of the model's vae/ (the model folder's VAE
+    config is used with it, so nothing is fetched).
     """
     check_latents(samples)
+    vae_file = check_vae_file(vae_file) if vae_file is not None else None
     if (
         isinstance(tile_size, bool)
         or not isinstance(tile_size, int)
@@ -86,13 +170,18 @@ def decode(
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.float32)
     tile = tile_size if use_tiles(tiling, samples, dtype, device) else None
     with memory.stage("vae_decode", device, report):
-        return _decode(source, samples, dtype, device, keep_loaded, tile)
+        return _decode(source, samples, dtype, device, keep_loaded, tile, vae_file)
 
 
-def _decode(source, samples, dtype, device, keep_loaded, tile: int | None) -> torch.Tensor:
+def _decode(
+    source, samples, dtype, device, keep_loaded, tile: int | None, vae_file: Path | None
+) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the VAE alive.
-    key = ("vae", source.key, dtype, str(device))
-    with cache.use(key, lambda: _load(source, dtype, device), keep_loaded) as vae:
+    weights = str(vae_file.resolve()) if vae_file is not None else source.key
+    key = ("vae", weights, dtype, str(device))
+    load = lambda: _load(source, dtype, device, vae_file)  # noqa: E731
+    weights_bytes, work = needs(samples, dtype, tile)
+    with cache.use(key, load, keep_loaded, device=device, weights=weights_bytes, work=work) as vae:
         # A kept VAE may come back from a tiled run: set its mode every time.
         vae.use_tiling = tile is not None
         if tile is not None:

@@ -14,12 +14,17 @@ from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
 from ..core import memory, quant_cache
+from ..core.cache import cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
+from . import memory_manager
 
 CATEGORY = "PixArt-Σ low VRAM"
 SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
 
 PixArtEmbeds = io.Custom("PIXART_EMBEDS")
+
+# Kept models are entered in ComfyUI's memory manager, and each stage asks it for room before loading.
+memory_manager.install(cache)
 
 
 def model_roots() -> list[str]:
@@ -40,8 +45,9 @@ def keep_loaded_input() -> io.Boolean.Input:
     return io.Boolean.Input(
         "keep_loaded",
         default=False,
-        tooltip="Keep the model in memory for the next prompt instead of unloading it when done. "
-        "Free VRAM releases it.",
+        tooltip="Keep the model in memory for the next prompt instead of unloading it when done. ComfyUI "
+        "unloads it like its own models when it needs the memory; Free VRAM, the Unload Models button and "
+        "POST /free release it.",
     )
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import folder_paths
 from comfy_api.latest import io
 
 from ..core import vae
@@ -26,13 +27,23 @@ class PixArtVAEDecode(io.ComfyNode):
                     tooltip=f"auto: decode in {vae.TILE_SIZE}-px tiles when the whole image would not fit in free "
                     "GPU memory (about 2.4 GiB at 1024²; tiles need 0.8 GiB). on: always tile. off: never.",
                 ),
+                # New inputs go last: saved workflows list widget values by position.
+                io.Combo.Input(
+                    "vae_file",
+                    options=[vae.FROM_MODEL, *folder_paths.get_filename_list("vae")],
+                    default=vae.FROM_MODEL,
+                    optional=True,
+                    tooltip="The SDXL VAE as one .safetensors file from models/vae (e.g. sdxl_vae.safetensors, "
+                    "original or diffusers key layout), decoding with the model folder's VAE config; "
+                    f"{vae.FROM_MODEL} uses the model's own vae/.",
+                ),
             ],
             outputs=[io.Image.Output(tooltip="Images [batch, height, width, 3], 0..1, on the CPU.")],
             hidden=[io.Hidden.dynprompt],
         )
 
     @classmethod
-    def execute(cls, model, latent, keep_loaded, tiling="auto") -> io.NodeOutput:
+    def execute(cls, model, latent, keep_loaded, tiling="auto", vae_file=vae.FROM_MODEL) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         samples = latent.get("samples") if isinstance(latent, dict) else latent
         images = vae.decode(
@@ -42,5 +53,17 @@ class PixArtVAEDecode(io.ComfyNode):
             keep_loaded=keep_loaded,
             tiling=tiling,
             report=report,
+            vae_file=None if vae_file in (None, vae.FROM_MODEL) else vae_path(vae_file),
         )
         return io.NodeOutput(images)
+
+
+def vae_path(name: str) -> str:
+    """The file ``name`` in ComfyUI's models/vae folders (extra_model_paths.yaml included)."""
+    path = folder_paths.get_full_path("vae", name)
+    if path is None:
+        raise FileNotFoundError(
+            f"vae_file {name!r} is not in ComfyUI's vae folders ({', '.join(folder_paths.get_folder_paths('vae'))})."
+            f" {vae.VAE_FILE_HINT}"
+        )
+    return path
