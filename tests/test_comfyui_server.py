@@ -22,7 +22,6 @@ from comfyui_support import (
     API_WORKFLOW,
     HTTP_TIMEOUT,
     HUB_ID,
-    MATCH_TYPE,
     MODEL,
     MODEL_NODES,
     NODE_IDS,
@@ -30,8 +29,6 @@ from comfyui_support import (
     PROMPT_TIMEOUT,
     SIZE,
     STEPS,
-    UI_WORKFLOW,
-    WIDGET_TYPES,
     ComfyServer,
     basic_prompt,
     free_vram_prompt,
@@ -58,77 +55,6 @@ def test_object_info_describes_the_five_nodes(server):
     for name in MODEL_NODES:
         options = pack[name]["input"]["required"]["model"][1]["options"]
         assert MODEL in options and HUB_ID in options, options
-
-
-def declared_inputs(node_info: dict) -> list[tuple[str, object, dict]]:
-    """(name, type, options) of a node's inputs in /object_info's input_order, hidden ones left out."""
-    inputs = []
-    for section in ("required", "optional"):
-        for name in node_info["input_order"].get(section, []):
-            kind, options = [*node_info["input"][section][name], {}][:2]
-            inputs.append((name, kind, options))
-    return inputs
-
-
-def is_widget(kind: object, options: dict) -> bool:
-    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
-
-
-def widget_value_fits(kind: object, options: dict, value: object) -> bool:
-    if kind == "COMBO" or isinstance(kind, list):
-        return isinstance(value, str)  # the model list depends on the machine
-    if kind == "INT":
-        return (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and options["min"] <= value <= options["max"]
-        )
-    if kind == "FLOAT":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, {"STRING": str, "BOOLEAN": bool}[kind])
-
-
-def test_bundled_workflows_match_object_info(server):
-    """Both workflow files use the inputs, order and types the server declares."""
-    info = server.get("/object_info")
-    api = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
-    for key, entry in api.items():
-        node_info = info[entry["class_type"]]
-        optional = set(node_info["input_order"].get("optional", []))
-        # An optional socket left unlinked is not in the API format.
-        names = [
-            name
-            for name, kind, options in declared_inputs(node_info)
-            if name in entry["inputs"] or name not in optional or is_widget(kind, options)
-        ]
-        assert list(entry["inputs"]) == names, f"API node {key} ({entry['class_type']})"
-
-    ui = json.loads(UI_WORKFLOW.read_text(encoding="utf-8"))
-    link_types = {link[0]: link[5] for link in ui["links"]}
-    for node in ui["nodes"]:
-        node_info = info[node["type"]]
-        inputs = declared_inputs(node_info)
-        # A MatchType input and its output take on the type of what is linked to the input.
-        kinds = {name: kind for name, kind, _options in inputs}
-        matched = {link_types[s["link"]] for s in node["inputs"] if kinds.get(s["name"]) == MATCH_TYPE}
-        assert len(matched) <= 1, f"UI node {node['id']} links different types to one MatchType"
-        shown = {MATCH_TYPE: matched.pop()} if matched else {}
-
-        sockets = [(n, shown.get(kind, kind)) for n, kind, options in inputs if not is_widget(kind, options)]
-        assert [(s["name"], s["type"]) for s in node["inputs"]] == sockets, f"UI node {node['id']}"
-
-        values = list(node["widgets_values"])
-        for name, kind, options in inputs:
-            if is_widget(kind, options):
-                value = values.pop(0)
-                assert widget_value_fits(kind, options, value), f"UI node {node['id']} {name}={value!r}"
-                if options.get("control_after_generate"):
-                    assert values.pop(0) in {"fixed", "increment", "decrement", "randomize"}
-        assert values == [], f"UI node {node['id']} has extra widget values"
-
-        outputs = [(o["name"], o["type"]) for o in node["outputs"]]
-        declared = zip(node_info["output_name"], node_info["output"], strict=True)
-        assert outputs == [(name, shown.get(kind, kind)) for name, kind in declared], f"UI node {node['id']}"
 
 
 def test_basic_workflow_renders_an_image_and_a_memory_record(server):
