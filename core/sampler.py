@@ -265,8 +265,9 @@ def _from_file(weights: TransformerFile, dtype: torch.dtype):
 
     with init_empty_weights():
         model = PixArtTransformer2DModel.from_config(weights.config)
+    # The weights in ``dtype``; the position embedding buffer stays float32, as from_pretrained keeps it.
     model.load_state_dict({key: value.to(dtype) for key, value in weights.state_dict().items()}, assign=True)
-    return model.to(dtype)  # the position embedding buffer too, as from_pretrained does
+    return model
 
 
 def _load(

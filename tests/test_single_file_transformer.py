@@ -85,8 +85,9 @@ def test_single_file_samples_equal_the_folders(tiny, tiny_folder, reference, ori
     assert torch.equal(latents, reference.latents)
 
 
-def test_quantized_single_file_matches_the_quantized_folder(tiny, reference, original):
-    settings = {**SETTINGS, "quantization": "qint8", "device": "cpu", "dtype": torch.float32}
+@pytest.mark.parametrize(("quantization", "dtype"), [("qint8", torch.float32), ("none", torch.bfloat16)])
+def test_single_file_matches_the_folder_quantized_and_in_bf16(tiny, reference, original, quantization, dtype):
+    settings = {**SETTINGS, "quantization": quantization, "device": "cpu", "dtype": dtype}
     from_file = sampler.sample(tiny, reference.embeds, **settings, transformer_file=original)
     assert torch.equal(from_file, sampler.sample(tiny, reference.embeds, **settings))
 
