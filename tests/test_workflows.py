@@ -46,7 +46,7 @@ WIDGETS = {
         "low_vram",
         "transformer_file",
     ),
-    "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling"),
+    "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix",),
     "SaveImage": ("filename_prefix",),
@@ -84,7 +84,7 @@ INPUT_ORDER = {
         "latent",
         *WIDGETS["PixArtQ_Sampler"][9:],
     ),
-    "PixArtQ_VAEDecode": ("model", "latent", "keep_loaded", "tiling"),
+    "PixArtQ_VAEDecode": ("model", "latent", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": ("value",),
     "PixArtQ_MemorySnapshot": ("value", "filename_prefix"),
     "SaveImage": ("images", "filename_prefix"),
@@ -95,7 +95,7 @@ INPUT_ORDER = {
 # Frontend-only nodes: drawn on the canvas, left out of the API format.
 VIRTUAL = {"MarkdownNote": ("text",), "Note": ("text",)}
 # Inputs that name a model file or folder: a name under one of ComfyUI's model folders, never a path.
-MODEL_INPUTS = {"model", "t5_file", "transformer_file", "vae_name"}
+MODEL_INPUTS = {"model", "t5_file", "transformer_file", "vae_file", "vae_name"}
 # The frontend draws optional inputs with this shape (a hollow circle); only they may be left unlinked.
 OPTIONAL_SHAPE = 7
 # Widgets the frontend follows with a "control after generate" value of its own.
