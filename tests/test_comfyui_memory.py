@@ -8,9 +8,23 @@ models/vae/sdxl_vae.safetensors (the ``sdxl_vae_file`` fixture: original key lay
 
 from __future__ import annotations
 
+import itertools
+import os
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
-from comfyui_support import SDXL_VAE_FILE, Run, basic_prompt, node_id, running_server
+import requests
+import torch
+from comfyui_support import (
+    HTTP_TIMEOUT,
+    SDXL_VAE_FILE,
+    Run,
+    basic_prompt,
+    node_id,
+    running_server,
+)
 from PIL import Image
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
@@ -18,6 +32,7 @@ pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 # Both decoders run in float32 on the CPU; the saved PNGs may differ by one level where a value sits on
 # a rounding boundary.
 PNG_LEVELS = 1
+TEXTS = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +76,214 @@ def test_core_vae_decode_of_the_pack_latent_equals_the_pack_decode(server):
     assert pack.std() > 10, "the decode is flat: the comparison would prove nothing"
     difference = np.abs(pack.astype(int) - core.astype(int))
     assert difference.max() <= PNG_LEVELS, difference.max()
+
+
+def pack_prompt(keep: bool = False, **sampler_inputs) -> dict:
+    """The basic workflow without Memory Snapshot, with a text of its own (so T5 runs rather than coming
+    from ComfyUI's cache); ``keep`` sets keep_loaded on all three model nodes."""
+    prompt = basic_prompt(**sampler_inputs)
+    prompt[node_id(prompt, "PixArtQ_T5Encode")]["inputs"]["prompt"] += f", {next(TEXTS)}"
+    snapshot = node_id(prompt, "PixArtQ_MemorySnapshot")
+    save = node_id(prompt, "SaveImage")
+    prompt[save]["inputs"]["images"] = prompt.pop(snapshot)["inputs"]["value"]
+    for node in prompt.values():
+        if "keep_loaded" in node["inputs"]:
+            node["inputs"]["keep_loaded"] = keep
+    return prompt
+
+
+def wait_for_log(server, start: int, text: str, count: int, deadline_s: float = 60) -> bool:
+    """Whether the server log shows ``text`` ``count`` times after ``start`` within the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while server.log_text(start).count(text) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def kept_count(server) -> int:
+    """How many kept models Free VRAM drops (it drops them: the count is the state before)."""
+    # On a core node's output: the pack's T5 node here would reuse a kept T5 with keep_loaded off (and drop it).
+    prompt = {
+        "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "free": {"class_type": "PixArtQ_FreeVRAM", "inputs": {"value": ["empty", 0]}},
+    }
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    text = run.text("free")
+    assert text.startswith("dropped ") and " kept model(s)" in text, text
+    return int(text.split()[1])
+
+
+def test_pack_vae_decode_from_the_single_file_equals_the_model_folder(server):
+    prompt = basic_prompt(seed=6)
+    decode = node_id(prompt, "PixArtQ_VAEDecode")
+    save = node_id(prompt, "SaveImage")
+    prompt[save]["inputs"]["filename_prefix"] = "folder_vae"
+    prompt["file_decode"] = {
+        "class_type": "PixArtQ_VAEDecode",
+        "inputs": prompt[decode]["inputs"] | {"vae_file": SDXL_VAE_FILE},
+    }
+    prompt["file_save"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["file_decode", 0], "filename_prefix": "file_vae"},
+    }
+    run = server.run(prompt)
+    (folder,) = saved_images(server, run, save)
+    (single,) = saved_images(server, run, "file_save")
+    assert folder.std() > 10
+    np.testing.assert_array_equal(single, folder)
+
+
+def test_pack_vae_decode_refuses_a_pickled_vae_file(server):
+    (server.base / "models" / "vae" / "old_vae.pt").write_bytes(b"not read")
+    prompt = basic_prompt()
+    prompt[node_id(prompt, "PixArtQ_VAEDecode")]["inputs"]["vae_file"] = "old_vae.pt"
+    run = server.run(prompt)
+    assert run.status == "error"
+    assert "only .safetensors files are read" in run.error["exception_message"]
+
+
+def test_core_vae_encode_feeds_the_pack_sampler(server):
+    """LoadImage → core VAEEncode (sdxl_vae.safetensors) → the pack's sampler at denoise 0.6: the image's
+    size (128 × 64, not the sampler's 64²) and content carry through to the decoded result."""
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (64, 128, 3), dtype=np.uint8)).save(
+        server.base / "input" / "start.png"
+    )
+    outputs = {}
+    for denoise in (0.6, 1.0):
+        prompt = pack_prompt(seed=8, denoise=denoise)
+        sampler = node_id(prompt, "PixArtQ_Sampler")
+        save = node_id(prompt, "SaveImage")
+        prompt[save]["inputs"]["filename_prefix"] = f"img2img_{denoise}"
+        prompt |= {
+            "load": {"class_type": "LoadImage", "inputs": {"image": "start.png"}},
+            "core_vae": {"class_type": "VAELoader", "inputs": {"vae_name": SDXL_VAE_FILE}},
+            "encode": {"class_type": "VAEEncode", "inputs": {"pixels": ["load", 0], "vae": ["core_vae", 0]}},
+        }
+        prompt[sampler]["inputs"]["latent"] = ["encode", 0]
+        (outputs[denoise],) = saved_images(server, server.run(prompt), save)
+    assert outputs[0.6].shape == (64, 128, 3)
+    assert not np.array_equal(outputs[0.6], outputs[1.0]), "denoise < 1 ignored the encoded image"
+
+
+def test_comfyui_free_endpoint_releases_kept_models(server):
+    kept_count(server)  # start with no kept models
+    kept = server.run(with_core_decode(pack_prompt(keep=True, seed=21), ["2", 0], "mixed"))
+    assert kept.status == "success", kept.error
+    log_start = server.log.stat().st_size
+    response = requests.post(
+        server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
+    )
+    assert response.ok
+    # The worker handles /free's flags as soon as it is idle (the queue wakes it).
+    assert wait_for_log(server, log_start, "unloaded kept model", 3)
+    assert kept_count(server) == 0
+
+
+def test_free_vram_releases_every_kept_model(server):
+    kept_count(server)
+    run = server.run(pack_prompt(keep=True, seed=22))
+    assert run.status == "success", run.error
+    assert kept_count(server) == 3
+    assert kept_count(server) == 0
+
+
+def test_a_mixed_graph_with_kept_pack_models_runs_twice(server):
+    """Core VAELoader/VAEDecode beside the pack's kept models: the second run reuses the pack's models and
+    decodes the same image (a different seed for the core branch is not needed: same prompt, same seed)."""
+    kept_count(server)
+    prompt = with_core_decode(pack_prompt(keep=True, seed=23), ["2", 0], "mixed_core")
+    first = server.run(prompt)
+    prompt["core_save"]["inputs"]["filename_prefix"] = "mixed_core_again"  # runs the graph's tail again
+    log_start = server.log.stat().st_size
+    second = server.run(prompt | {"2": prompt["2"] | {"inputs": prompt["2"]["inputs"] | {"seed": 24}}})
+    assert second.status == "success", second.error
+    assert "reusing kept model" in server.log_text(log_start)
+    assert saved_images(server, first, "core_save")[0].shape == (64, 64, 3)
+    assert kept_count(server) == 3
+
+
+# In-process: ComfyUI's memory manager itself (comfy.model_management) with the pack's glue.
+
+
+@pytest.fixture
+def comfy_mm(monkeypatch):
+    """ComfyUI's model_management imported here (CPU only) with the pack's cache as its host; restores
+    the cache's host and ComfyUI's list of loaded models."""
+    monkeypatch.syspath_prepend(str(Path(os.environ["COMFYUI_PATH"]).resolve()))
+    from comfy.cli_args import args
+
+    monkeypatch.setattr(args, "cpu", True)
+    import comfy.model_management as mm
+
+    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.nodes import memory_manager
+
+    saved_host, saved_models = cache.host, list(mm.current_loaded_models)
+    memory_manager.install(cache)
+    try:
+        yield mm
+    finally:
+        cache.clear()
+        cache.host = saved_host
+        mm.current_loaded_models[:] = saved_models
+
+
+def keep_one(key: str, device: str = "cpu") -> torch.nn.Module:
+    from pixart_lowvram.core.cache import cache
+
+    with cache.use(key, lambda: torch.nn.Linear(256, 256), keep=True, device=torch.device(device)) as model:
+        return model
+
+
+def test_unload_all_models_drops_kept_models(comfy_mm):
+    from pixart_lowvram.core.cache import cache
+
+    keep_one("a"), keep_one("b")
+    entries = [e for e in comfy_mm.current_loaded_models if type(e).__name__ == "KeptEntry"]
+    assert len(entries) == 2 and entries[0].model_memory() == 256 * 257 * 4
+    comfy_mm.unload_all_models()
+    assert len(cache) == 0
+    assert not any(type(e).__name__ == "KeptEntry" for e in comfy_mm.current_loaded_models)
+
+
+def test_room_for_a_core_model_unloads_kept_models_on_its_device(comfy_mm, monkeypatch):
+    """free_memory(needed, device), as load_models_gpu calls it for a core model, unloads kept models on
+    that device until enough is free (a GPU is simulated: its free memory is what the test says)."""
+    from pixart_lowvram.core.cache import cache
+
+    gpu = torch.device("cuda", 0)
+    keep_one("on_gpu", gpu), keep_one("on_cpu")
+    free = 10
+
+    def fake_free(dev=None, torch_free_too=False):
+        return (free, free) if torch_free_too else free
+
+    monkeypatch.setattr(comfy_mm, "get_free_memory", fake_free)
+    comfy_mm.free_memory(5, gpu)  # enough already free: nothing unloaded
+    assert sorted(cache.keys()) == ["on_cpu", "on_gpu"]
+    comfy_mm.free_memory(1000, gpu)
+    assert cache.keys() == ["on_cpu"]
+
+
+def test_a_stage_asks_comfyui_for_room_before_loading(comfy_mm, monkeypatch):
+    from pixart_lowvram.core.cache import cache
+
+    asked = []
+    monkeypatch.setattr(
+        comfy_mm, "free_memory", lambda needed, device, keep_loaded=(): asked.append((needed, device))
+    )
+    gpu = torch.device("cuda", 0)
+    with cache.use(
+        "stage", lambda: torch.nn.Linear(2, 2), keep=True, device=gpu, weights=3 << 30, work=1 << 30
+    ):
+        pass
+    with cache.use(
+        "stage", lambda: torch.nn.Linear(2, 2), keep=False, device=gpu, weights=3 << 30, work=1 << 30
+    ):
+        pass
+    reserve = comfy_mm.extra_reserved_memory()
+    assert asked == [((4 << 30) + reserve, gpu), ((1 << 30) + reserve, gpu)]

@@ -322,30 +322,6 @@ def test_kept_sampler_model_is_reused_then_freed(server):
     assert again.text("free").startswith("dropped 0 kept model(s)")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ARCHITECTURE.md: ComfyUI's /free releases the pack's kept models; the pack does not hook it yet",
-)
-def test_comfyui_free_endpoint_releases_kept_models(server):
-    server.run(free_vram_prompt())
-    kept = server.run(basic_prompt(seed=21, keep_loaded=True))
-    assert kept.status == "success", kept.error
-    response = requests.post(
-        server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
-    )
-    assert response.ok
-    # The worker reads /free's flags after its current prompt at the latest: one prompt in between
-    # (that leaves the kept transformer alone) makes sure they were handled before Free VRAM counts.
-    between = free_vram_prompt()
-    between["free"] = {
-        "class_type": "PixArtQ_MemorySnapshot",
-        "inputs": {"value": between["free"]["inputs"]["value"], "filename_prefix": "between"},
-    }
-    server.run(between)
-    counted = server.run(free_vram_prompt())
-    assert counted.text("free").startswith("dropped 0 kept model(s)")
-
-
 TINY_T5_FILE = "tiny_t5xxl_fp16.safetensors"
 
 
