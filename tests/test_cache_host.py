@@ -1,0 +1,164 @@
+"""The keep-loaded cache's host hooks (what ComfyUI's memory manager is told) and the stages' room
+estimates; the SDXL VAE from a single file (both key layouts, offline, safetensors only)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from vae_layout import to_original_layout
+
+from pixart_lowvram.core import estimates, vae
+from pixart_lowvram.core.cache import ModelCache
+
+GPU = torch.device("cuda", 0)
+
+
+class RecordingHost:
+    def __init__(self):
+        self.calls = []
+
+    def make_room(self, needs, device):
+        self.calls.append(("make_room", needs, device))
+
+    def kept(self, key, model, device):
+        self.calls.append(("kept", key, device))
+
+    def released(self, key):
+        self.calls.append(("released", key))
+
+
+@pytest.fixture
+def hosted():
+    cache = ModelCache()
+    cache.host = RecordingHost()
+    return cache
+
+
+def test_host_makes_room_before_a_load_and_hears_of_kept_and_released(hosted):
+    with hosted.use("k", torch.nn.Identity, keep=True, device=GPU, weights=100, work=10):
+        assert hosted.host.calls == [("make_room", 110, GPU)]
+    assert hosted.host.calls[-1] == ("kept", "k", GPU)
+    hosted.host.calls.clear()
+    with hosted.use("k", torch.nn.Identity, keep=False, device=GPU, weights=100, work=10):
+        pass
+    # Reused: it leaves the host's books first (making room cannot evict it), then room for its run only.
+    assert hosted.host.calls == [("released", "k"), ("make_room", 10, GPU)]
+    assert len(hosted) == 0
+
+
+def test_a_failed_stage_is_not_reported_as_kept(hosted):
+    with pytest.raises(RuntimeError), hosted.use("k", torch.nn.Identity, keep=True, device=GPU):
+        raise RuntimeError("stage failed")
+    assert [c[0] for c in hosted.host.calls] == []
+    assert len(hosted) == 0
+
+
+def test_evict_and_clear_release_every_kept_model(hosted):
+    for key in ("a", "b", "c"):
+        with hosted.use(key, torch.nn.Identity, keep=True, device=GPU):
+            pass
+    assert hosted.evict("b") is True and hosted.evict("b") is False
+    assert hosted.clear() == 2
+    assert [c for c in hosted.host.calls if c[0] == "released"] == [("released", k) for k in "bac"]
+
+
+def test_without_a_host_nothing_is_asked():
+    cache = ModelCache()
+    with cache.use("k", torch.nn.Identity, keep=True, device=GPU, weights=1, work=1) as model:
+        assert isinstance(model, torch.nn.Identity)
+    assert cache.keys() == ["k"]
+
+
+def test_estimates_follow_the_measured_peaks():
+    gib = estimates.GIB
+    assert sum(estimates.text_encoder("nf4", torch.bfloat16)) == pytest.approx(2.7 * gib, rel=0.01)
+    assert sum(estimates.text_encoder("none", torch.float32)) == 2 * sum(
+        estimates.text_encoder("none", torch.bfloat16)
+    )
+    latents = torch.empty(1, 4, 128, 128, device="meta")
+    assert sum(estimates.transformer("qint8", torch.float16, latents)) == pytest.approx(0.87 * gib, rel=0.1)
+    assert sum(estimates.transformer("none", torch.float16, latents)) == pytest.approx(1.41 * gib, rel=0.1)
+    # The run's part scales with pixels × batch.
+    four = torch.empty(2, 4, 256, 128, device="meta")
+    assert (
+        estimates.transformer("qint8", torch.float16, four)[1]
+        == 4 * estimates.transformer("qint8", torch.float16, latents)[1]
+    )
+    assert sum(vae.needs(latents, torch.bfloat16, None)) == pytest.approx(2.57 * gib, rel=0.1)
+    assert sum(vae.needs(latents, torch.bfloat16, vae.TILE_SIZE)) == pytest.approx(0.80 * gib, rel=0.1)
+
+
+@pytest.fixture(scope="module")
+def vae_files(tmp_path_factory, tiny_folder):
+    folder = tmp_path_factory.mktemp("vae_files")
+    weights = load_file(tiny_folder / "vae" / "diffusion_pytorch_model.safetensors")
+    save_file(weights, folder / "diffusers_layout.safetensors")
+    save_file(to_original_layout(weights), folder / "original_layout.safetensors")
+    return folder
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the VAE file's config must not be fetched")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize("layout", ["original_layout", "diffusers_layout"])
+def test_decode_with_a_single_file_equals_the_model_folder(tiny, reference, vae_files, no_network, layout):
+    decoded = vae.decode(
+        tiny,
+        reference.latents,
+        device="cpu",
+        dtype=torch.float32,
+        vae_file=vae_files / f"{layout}.safetensors",
+    )
+    assert torch.equal(decoded, reference.images)
+
+
+def test_sdxl_vae_file_fixture_holds_the_tiny_models_weights(sdxl_vae_file, vae_files):
+    fixture, converted = load_file(sdxl_vae_file), load_file(vae_files / "original_layout.safetensors")
+    assert fixture.keys() == converted.keys()
+    assert all(torch.equal(fixture[k], converted[k]) for k in fixture)
+
+
+def test_a_hub_model_uses_the_bundled_sdxl_config(tiny_folder, vae_files, no_network):
+    from pixart_lowvram.core.models import ModelSource
+
+    hub = ModelSource(name="owner/repo", hub_id="owner/repo")
+    model = vae._load(hub, torch.float32, torch.device("cpu"), vae_files / "original_layout.safetensors")
+    assert model.config.scaling_factor == 0.13025 and model.config.sample_size == 1024
+    expected = load_file(tiny_folder / "vae" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("sdxl_vae.pt", b"pickle", "only .safetensors files are read"),
+        ("sdxl_vae.ckpt", b"pickle", "only .safetensors files are read"),
+        ("missing.safetensors", None, "does not exist"),
+        ("truncated.safetensors", b"\x10\x00", "not a readable safetensors file"),
+    ],
+)
+def test_bad_vae_files_are_refused_before_loading(tiny, tmp_path, load_spy, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
+        vae.decode(tiny, torch.zeros(1, 4, 8, 8), device="cpu", vae_file=path)
+    assert "models/vae" in str(error.value)
+    assert load_spy.total() == 0
+
+
+def test_a_vae_of_another_family_is_refused(tiny, tmp_path, load_spy):
+    path = tmp_path / "flux_ae.safetensors"
+    save_file({"decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, path)
+    with pytest.raises(ValueError, match=r"not an SDXL VAE .*\[512, 16, 3, 3\]"):
+        vae.decode(tiny, torch.zeros(1, 4, 8, 8), device="cpu", vae_file=path)
+    assert load_spy.total() == 0
