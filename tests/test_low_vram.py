@@ -91,3 +91,25 @@ def test_low_vram_must_be_a_bool(tiny, reference, value):
         text_encoder.encode(tiny, "a", device="cpu", low_vram=value)
     with pytest.raises(TypeError, match="low_vram must be true or false"):
         sampler.sample(tiny, reference.embeds, **SETTINGS, device="cpu", low_vram=value)
+
+
+def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_path, monkeypatch):
+    from pixart_lowvram.core import cli, vae
+
+    calls = {}
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = kwargs.get("low_vram", kwargs.get("tiling"))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(text_encoder, "encode")
+    spy(sampler, "sample")
+    spy(vae, "decode")
+    argv = ["generate", "--model", str(tiny_folder), "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--low-vram", "--no-quant-cache"]) == 0
+    assert calls == {"encode": True, "sample": True, "decode": "on"}
