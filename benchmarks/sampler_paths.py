@@ -20,7 +20,7 @@ import torch
 CALLS = 20  # one 20-step image with cfg: the two halves go through the transformer as one batch
 TOKENS = 300
 
-# name: (compute dtype, how the weights are made, torch.compile)
+# name: (compute dtype, how the weights are made, torch.compile: False, True or a compile mode)
 CANDIDATES = {
     "fp16 eager": ("float16", "none", False),
     "bf16 eager": ("bfloat16", "none", False),
@@ -31,6 +31,7 @@ CANDIDATES = {
     "quanto qint4 fp16": ("float16", "quanto-qint4", False),
     "torchao fp8 dyn. act. + weight (row) bf16": ("bfloat16", "torchao-fp8-dynamic", False),
     "torchao fp8 dyn. act. + weight (row) bf16 compiled": ("bfloat16", "torchao-fp8-dynamic", True),
+    "quanto qint8 fp16 compiled, CUDA graphs": ("float16", "quanto-qint8", "reduce-overhead"),
     "torchao fp8 weight-only bf16": ("bfloat16", "torchao-fp8-weight", False),
     "torchao int8 dyn. act. + weight fp16": ("float16", "torchao-int8-dynamic", False),
     "torchao int8 dyn. act. + weight fp16 compiled": ("float16", "torchao-int8-dynamic", True),
@@ -90,7 +91,10 @@ def run_one(model_dir: str, name: str, out: Path) -> None:
     mask = torch.ones(2, TOKENS, device="cuda", dtype=torch.long)
     mask[1, 20:] = 0  # the negative: a short prompt padded, as the pipeline gives it
     timestep = torch.tensor([500, 500], device="cuda")
-    forward = torch.compile(model) if compiled else model
+    if compiled:
+        forward = torch.compile(model, **({"mode": compiled} if isinstance(compiled, str) else {}))
+    else:
+        forward = model
 
     def call():
         return forward(
