@@ -239,8 +239,9 @@ def _draw_timeline(ax, series: Sequence[Series], stages: Sequence[StageRecord], 
     ax.set_ylim(0, max(float(s.reserved.max()) for s in series) / scale * 1.25 or 1)
     ax.set_xlabel("seconds since recording started")
     ax.set_ylabel(unit)
-    ax.set_title("CUDA memory over the run")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("CUDA memory over the run", loc="left")
+    # Above the plot, right of the title: inside it would cover the first stage's name.
+    ax.legend(loc="lower right", bbox_to_anchor=(1, 1), ncol=2 * len(series), frameon=False, fontsize=8)
 
 
 def _draw_stages(ax, stages: Sequence[StageRecord]) -> None:
