@@ -51,6 +51,11 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
         default="auto",
         help="VAE decode in tiles (auto: when short of memory)",
     )
+    p.add_argument(
+        "--low-vram",
+        action="store_true",
+        help="stream T5 layers and transformer blocks from CPU memory and decode in tiles (< 1 GB at 1024²)",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present)")
     p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
     p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
@@ -154,6 +159,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
         device=device,
         quant_cache_dir=cache_dir,
         report=report,
+        low_vram=args.low_vram,
     )
     with tqdm(total=args.steps, desc="sampling", unit="step") as bar:
         latents = sampler.sample(
@@ -171,10 +177,10 @@ def run(args: argparse.Namespace, model: str) -> dict:
             dtype=args.precision,
             on_step=lambda step, total, _latents: bar.update(step - bar.n),
             report=report,
+            low_vram=args.low_vram,
         )
-    images = vae.decode(
-        source, latents, device=device, dtype=args.precision, tiling=args.tiling, report=report
-    )
+    tiling = "on" if args.low_vram else args.tiling
+    images = vae.decode(source, latents, device=device, dtype=args.precision, tiling=tiling, report=report)
     seconds = time.perf_counter() - start
 
     stem = outputs.next_stem(args.out, args.prefix)

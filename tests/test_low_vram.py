@@ -110,6 +110,16 @@ def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_
     spy(text_encoder, "encode")
     spy(sampler, "sample")
     spy(vae, "decode")
-    argv = ["generate", "--model", str(tiny_folder), "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_folder),
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli.main([*argv, "--low-vram", "--no-quant-cache"]) == 0
     assert calls == {"encode": True, "sample": True, "decode": "on"}
