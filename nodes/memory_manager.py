@@ -21,6 +21,15 @@ from ..core.cache import ModelCache
 logger = logging.getLogger(__name__)
 
 
+def _bytes(model: torch.nn.Module) -> int:
+    """The model's parameters and buffers in bytes (4-bit weights count as packed). Not ComfyUI's
+    ``module_size``: that calls ``state_dict()``, and bitsandbytes' state_dict unpacks a 4-bit weight that
+    has run on the CPU in place — the kept model's next run then takes another kernel path and gives
+    slightly different numbers."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class KeptModel:
     """The part of a ModelPatcher that ``model_management`` reads, for one kept model. ComfyUI holds it
     weakly (``LoadedModel._model``); :class:`ComfyMemory` holds it while the model is kept."""
@@ -31,7 +40,7 @@ class KeptModel:
         self.cache, self.key, self.model = cache, key, model
         self.load_device = device
         self.offload_device = torch.device("cpu")
-        self.size = mm.module_size(model)  # ComfyUI's own measure: the state dict's bytes
+        self.size = _bytes(model)
         self.unloading = False  # set while ComfyUI's free_memory unloads it (it pops the entry itself)
 
     def model_size(self) -> int:

@@ -272,8 +272,9 @@ def test_pickles_are_refused_unopened(weights, load_spy, tmp_path, suffix):
 
 @pytest.fixture(scope="module")
 def no_tokenizer(weights) -> tuple:
-    """The PixArt folder without tokenizer/, and its tokenizer moved to a folder of its own."""
-    folder = weights["root"] / "pixart-no-tokenizer"
+    """The PixArt folder without tokenizer/, and its tokenizer moved to a folder of its own. The folder
+    sits alone in its parent: beside a complete PixArt folder it would borrow that one's tokenizer."""
+    folder = weights["root"] / "alone" / "pixart-no-tokenizer"
     shutil.copytree(weights["folder"], folder)
     tokenizer = weights["root"] / "t5_tokenizer"
     shutil.move(folder / "tokenizer", tokenizer)
