@@ -121,7 +121,7 @@ def test_dropped_workflow_loads_and_becomes_the_api_prompt(page, path):
         assert loaded[node["id"]]["type"] == node["type"]
         assert loaded[node["id"]]["widgets_values"] == node["widgets_values"], f"node {node['id']}"
         assert loaded[node["id"]]["pos"] == node["pos"]
-    api = read(path.with_name(path.stem + "_api.json"))
+    api = read(path.parent / "api" / (path.stem + "_api.json"))
     assert graph_of(state["prompt"]) == graph_of(api)
     assert all(entry["class_type"] not in VIRTUAL for entry in state["prompt"].values())
     assert page.errors == []

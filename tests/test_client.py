@@ -13,7 +13,7 @@ from pixart_lowvram.core import client
 from pixart_lowvram.core.client import ClientError, apply_overrides, check_workflow, expand
 
 REPO = Path(__file__).resolve().parents[1]
-API_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic_api.json"
+API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
 MODEL = "PixArt-Sigma-XL-2-1024-MS"
 
 

@@ -371,3 +371,16 @@ def test_two_servers_at_once_both_finish(two_servers, tmp_path):
     first, second = (sorted(tmp_path.joinpath(f"out{n}").rglob("*.png")) for n in (0, 1))
     for a, b in zip(first, second, strict=True):
         assert np.array_equal(pixels(a), pixels(b))
+
+
+def test_templates_browser_lists_the_ui_workflows_with_thumbnails(server):
+    """ComfyUI's templates browser shows the four UI workflows (not the API files, which open as an empty
+    graph there) and serves each one's thumbnail."""
+    listed = server.get("/workflow_templates")
+    (names,) = [names for pack, names in listed.items() if pack == "comfyui-pixart-lowvram"]
+    assert sorted(names) == [path.stem for path in UI_FILES]
+    for name in names:
+        response = requests.get(
+            f"{server.url}/api/workflow_templates/comfyui-pixart-lowvram/{name}.jpg", timeout=HTTP_TIMEOUT
+        )
+        assert response.ok and response.headers["Content-Type"].startswith("image/")

@@ -112,14 +112,17 @@ def is_ui(workflow: object) -> bool:
     return isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow
 
 
-UI_FILES = sorted(path for path in WORKFLOWS.glob("*.json") if is_ui(read(path)))
-API_FILES = sorted(path for path in WORKFLOWS.glob("*.json") if not is_ui(read(path)))
-PAIRS = [(path, path.with_name(path.stem + "_api.json")) for path in UI_FILES]
+# API files live in api/: ComfyUI lists every .json directly in workflows/ in its templates browser,
+# and an API file opened from there gives an empty graph.
+API_DIR = WORKFLOWS / "api"
+UI_FILES = sorted(WORKFLOWS.glob("*.json"))
+API_FILES = sorted(API_DIR.glob("*.json"))
+PAIRS = [(path, API_DIR / (path.stem + "_api.json")) for path in UI_FILES]
 NAMES = ("basic", "low_vram", "memory_debug", "with_core_nodes")
 
 
 def api_file(name: str) -> Path:
-    return WORKFLOWS / f"pixart_lowvram_{name}_api.json"
+    return API_DIR / f"pixart_lowvram_{name}_api.json"
 
 
 def ui_file(name: str) -> Path:
@@ -165,9 +168,11 @@ def test_the_bundled_workflows_are_all_there():
     """Four workflows, each as a UI file, an API file and a thumbnail; nothing else in the folder."""
     assert ids(UI_FILES) == [f"pixart_lowvram_{name}" for name in NAMES]
     assert ids(API_FILES) == [f"pixart_lowvram_{name}_api" for name in NAMES]
-    expected = {path.name for path in UI_FILES + API_FILES} | {path.stem + ".jpg" for path in UI_FILES}
-    expected.add("make_thumbnails.py")
+    expected = {path.name for path in UI_FILES} | {path.stem + ".jpg" for path in UI_FILES}
+    expected |= {"make_thumbnails.py", "api"}
     assert {path.name for path in WORKFLOWS.iterdir()} == expected
+    assert {path.name for path in API_DIR.iterdir()} == {path.name for path in API_FILES}
+    assert all(is_ui(read(path)) for path in UI_FILES) and not any(is_ui(read(path)) for path in API_FILES)
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
