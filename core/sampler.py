@@ -409,7 +409,9 @@ def _sample(
     key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram)
     total = steps - schedule.skip
     load = lambda: _load(weights, quant, dtype, device, low_vram)  # noqa: E731
-    room = estimates.transformer(quant.scheme, dtype, latents)  # (weights, work) bytes, for the host
+    room = estimates.transformer(
+        quant.scheme, dtype, latents, low_vram
+    )  # (weights, work) bytes, for the host
     with cache.use(key, load, keep_loaded, device, *room) as transformer:
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
