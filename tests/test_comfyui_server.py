@@ -125,6 +125,37 @@ def test_img2img_from_core_empty_latent(server):
         assert image.size == (SIZE, SIZE)
 
 
+def test_img2img_from_core_latent_upscale(server):
+    """The sampler's first LATENT -> core Latent Upscale (to 96 × 64) -> a second sampler pass at denoise
+    0.5 -> VAE Decode: the upscaled latent sets the second pass's size."""
+    prompt = basic_prompt(seed=3)
+    sampler, decode = node_id(prompt, "PixArtQ_Sampler"), node_id(prompt, "PixArtQ_VAEDecode")
+    save = node_id(prompt, "SaveImage")
+    del prompt[node_id(prompt, "PixArtQ_MemorySnapshot")]
+    prompt[save]["inputs"]["images"] = [decode, 0]
+    prompt["upscale"] = {
+        "class_type": "LatentUpscale",
+        "inputs": {
+            "samples": [sampler, 0],
+            "upscale_method": "bilinear",
+            "width": 96,
+            "height": 64,
+            "crop": "disabled",
+        },
+    }
+    prompt["second"] = {
+        "class_type": "PixArtQ_Sampler",
+        "inputs": {**prompt[sampler]["inputs"], "latent": ["upscale", 0], "denoise": 0.5},
+    }
+    prompt[decode]["inputs"]["latent"] = ["second", 0]
+
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    (saved,) = run.outputs[save]["images"]
+    with Image.open(server.output / saved["subfolder"] / saved["filename"]) as image:
+        assert image.size == (96, 64)
+
+
 def test_sampler_sends_a_latent_preview_every_step(server):
     """With --preview-method auto (latent-to-RGB in ComfyUI 0.8) every sampler step sends a JPEG preview
     with the sampler's node id; a prompt that turns previews off (the web UI's preview setting) gets
