@@ -138,12 +138,57 @@ def format_bytes(n: int | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _clear_frames(exc: BaseException, drop: bool = False) -> None:
+    """Clear the frames of ``exc``'s traceback and of the exceptions it was raised from or during (a library
+    that catches an error and raises another keeps the first one, and its frames, in the chain). With
+    ``drop`` the tracebacks are also cut apart and let go: a cleared frame still holds its function, a closure
+    such as torch's wrapper of a module with hooks holds the module, and the with-statement's ``__exit__``
+    holds the traceback as an argument."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        if drop:
+            link, current.__traceback__ = current.__traceback__, None
+            while link is not None:
+                following = link.tb_next
+                link.tb_next = None
+                link = following
+        pending += [current.__cause__, current.__context__]
+
+
+# What lowers each stage's peak, in the order to try it.
+OUT_OF_MEMORY_ADVICE = {
+    "t5_encode": "turn on low_vram in Quantized T5 Encode (T5's layers streamed from CPU memory), keep its "
+    "quantization at nf4, and put Free VRAM before it (other models still loaded)",
+    "sample": "turn on low_vram in Quanto PixArt Sampler (blocks streamed from CPU memory), lower width, height "
+    "or batch_size, keep weights at qint8, and put Free VRAM before it (T5 or other models still loaded)",
+    "vae_decode": "set tiling to on in VAE Decode (PixArt-Σ), lower width, height or batch_size, and put Free "
+    "VRAM before it (the transformer or other models still loaded)",
+}
+GENERIC_ADVICE = "lower width, height or batch_size, turn on low_vram, and put Free VRAM before this stage"
+
+
+def out_of_memory_message(name: str, device: torch.device, exc: BaseException) -> str:
+    """Which stage ran out of GPU memory, what it had to work with, and what to change."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"stage {name} ran out of GPU memory on {device} ({first_line}). Its model was unloaded. To fit: "
+        f"{OUT_OF_MEMORY_ADVICE.get(name, GENERIC_ADVICE)}; then queue the prompt again."
+    )
+
+
 @contextmanager
 def stage(name: str, device: torch.device | str, report: MemoryReport | None = None) -> Iterator[None]:
     """Run one stage under ``inference_mode``, record its peaks and time, and free afterwards.
 
     On an exception the frames of the traceback are cleared before freeing, so a model loaded
-    inside the stage is not kept alive by the exception that is propagating.
+    inside the stage is not kept alive by the exception that is propagating. An out-of-memory error is
+    raised again as one that names the stage and what to change (:func:`out_of_memory_message`).
     """
     device = torch.device(device)
     on_cuda = cuda_in_use(device)
@@ -162,7 +207,12 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
             torch.cuda.synchronize(device)
     except BaseException as exc:
         record.error = type(exc).__name__
-        traceback.clear_frames(exc.__traceback__)
+        out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError)
+        # Out of memory, the memory must come back now; the new message says where it ran out.
+        _clear_frames(exc, drop=out_of_memory)
+        if out_of_memory:
+            # Still an OutOfMemoryError, so ComfyUI shows its own out-of-memory advice as well.
+            raise torch.cuda.OutOfMemoryError(out_of_memory_message(name, device, exc)) from exc
         raise
     finally:
         record.seconds = time.perf_counter() - start

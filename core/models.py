@@ -116,6 +116,39 @@ class ModelSource:
             ) from exc
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def check_weights(folder: Path, model_name: str) -> Path:
+    """Refuse a component folder whose weights are not readable safetensors files, reading only their
+    headers, before anything loads: pickled weights (.bin, .pt …) can run code when loaded and are never
+    opened, and a damaged file is named with what to do."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        pickles = (
+            sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+            if folder.is_dir()
+            else []
+        )
+        found = f"only {', '.join(pickles)}, a pickle format" if pickles else "no .safetensors weights"
+        raise FileNotFoundError(
+            f"model {model_name!r}: {folder} holds {found}. The pack reads .safetensors weights only (a pickle "
+            f"can run code when loaded). Download the safetensors version of the model. {LAYOUT_HINT}"
+        )
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(
+                f"model {model_name!r}: {path} is not a readable safetensors file ({exc}). It is damaged or its "
+                f"download is incomplete: download that file (or the model) again."
+            ) from exc
+    return folder
+
+
 def _looks_like_hub_id(name: str) -> bool:
     owner, _, repo = name.partition("/")
     return bool(owner and repo) and "/" not in repo and not name.startswith((".", "~")) and "\\" not in name

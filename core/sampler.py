@@ -13,7 +13,7 @@ import torch
 from . import estimates, memory, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource, TransformerFile, read_transformer_file
+from .models import ModelSource, TransformerFile, check_weights, read_transformer_file
 from .quant import TRANSFORMER_SCHEMES, Quantization
 from .text_encoder import PixArtEmbeds
 
@@ -237,6 +237,21 @@ def make_scheduler(name: str, config: dict, skip: int = 0):
     return scheduler
 
 
+def size_warning(width: int, height: int, native: int) -> str | None:
+    """A warning when the image's area is 4× the model's native square or more, or a quarter or less: the
+    transformer recomputes its position embedding for any size, so it runs, but far from its training size
+    it repeats subjects (larger) or loses detail (smaller)."""
+    ratio = width * height / native**2
+    if 1 / 4 < ratio < 4:
+        return None
+    return (
+        f"width × height {width}×{height} is {'at least 4×' if ratio >= 4 else 'at most ¼ of'} the area of the "
+        f"model's native {native}×{native}; images far from that size come out with repeated subjects or lost "
+        f"detail. Use a size near {native} px (resolution 'native' or a preset of the {native} model), or the "
+        f"model made for this size."
+    )
+
+
 def transformer_weights(
     source: ModelSource, transformer_file: str | os.PathLike | None = None
 ) -> ModelSource | TransformerFile:
@@ -285,7 +300,10 @@ def _load(
         model = _from_file(weights, dtype)
     else:
         folder = weights.folder(["transformer"])
-        model = PixArtTransformer2DModel.from_pretrained(folder, subfolder="transformer", dtype=dtype)
+        check_weights(folder / "transformer", weights.name)
+        model = PixArtTransformer2DModel.from_pretrained(
+            folder, subfolder="transformer", dtype=dtype, use_safetensors=True
+        )
     model = quant.after_load(model)
     model.eval()
     if low_vram:
@@ -315,6 +333,7 @@ def sample(
     report: memory.MemoryReport | None = None,
     low_vram: bool = False,
     transformer_file: str | os.PathLike | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
     ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
@@ -333,6 +352,8 @@ def sample(
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``source``'s
     transformer/; ``source`` still gives the scheduler and the VAE's scaling factor.
+
+    A size far from the model's native one (:func:`size_warning`) is logged and given to ``on_warning``.
     """
     if not isinstance(low_vram, bool):
         raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
@@ -347,6 +368,11 @@ def sample(
     weights = transformer_weights(source, transformer_file)
     config = weights.config if isinstance(weights, TransformerFile) else source.config("transformer")
     check_embeds(embeds, config.get("caption_channels", 4096), source.name)
+    warning = size_warning(width, height, weights.native_size)
+    if warning is not None:
+        logger.warning("%s", warning)
+        if on_warning is not None:
+            on_warning(warning)
     scale = scaling_factor(source)
     images = embeds.batch * batch_size
     if init_latents is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +14,13 @@ import torch
 from . import estimates, memory, quant_cache, streaming
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource, T5File, read_t5_file
+from .models import ModelSource, T5File, check_weights, read_t5_file
 from .quant import TEXT_ENCODER_SCHEMES, Quantization
 
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 300  # PixArt-Σ's caption length
+DROPPED_SHOWN = 80  # characters of the dropped text quoted in the truncation warning
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def _load(
         def pretrained() -> dict:
             return weights.pretrained_kwargs(dtype)
     else:
-        origin = weights.folder(["text_encoder"]) / "text_encoder"
+        origin = check_weights(weights.folder(["text_encoder"]) / "text_encoder", weights.name)
 
         def pretrained() -> dict:
             return {"pretrained_model_name_or_path": origin}
@@ -108,7 +110,11 @@ def _load(
 
     def from_pretrained(pretrained_model_name_or_path, **kwargs):
         model = model_class.from_pretrained(
-            pretrained_model_name_or_path, dtype=dtype, device_map={"": str(load_device)}, **kwargs
+            pretrained_model_name_or_path,
+            dtype=dtype,
+            device_map={"": str(load_device)},
+            use_safetensors=True,
+            **kwargs,
         )
         return model.eval()
 
@@ -164,6 +170,7 @@ def encode(
     t5_file: str | os.PathLike | None = None,
     tokenizer_fallback: Path | None = None,
     low_vram: bool = False,
+    on_warning: Callable[[str], None] | None = None,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
     unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
@@ -172,7 +179,8 @@ def encode(
     t5xxl_fp16.safetensors); the tokenizer from ``source``'s tokenizer/, else ``tokenizer_fallback``.
     With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
     (see :mod:`quant_cache`). ``low_vram`` keeps T5 in CPU memory and streams its layers to the GPU one
-    at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed."""
+    at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed.
+    A prompt longer than 300 tokens is cut there; the warning is logged and given to ``on_warning``."""
     if not isinstance(low_vram, bool):
         raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -190,6 +198,12 @@ def encode(
             f"({tokenizer.name_or_path}) has {len(tokenizer)} tokens: they do not belong together. Use a "
             f"T5-XXL file (32128 embeddings) with a T5 v1.1 tokenizer."
         )
+    for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
+        warning = truncation_warning(tokenizer, name, text)
+        if warning is not None:
+            logger.warning("%s", warning)
+            if on_warning is not None:
+                on_warning(warning)
     with memory.stage("t5_encode", device, report):
         return _encode(
             source,
@@ -204,6 +218,20 @@ def encode(
             quant_cache_dir,
             low_vram,
         )
+
+
+def truncation_warning(tokenizer, name: str, text: str) -> str | None:
+    """What is cut from ``text`` (the prompt or the negative prompt) past T5's 300 tokens; None if nothing."""
+    ids = tokenizer(text, add_special_tokens=True).input_ids
+    if len(ids) <= MAX_TOKENS:
+        return None
+    dropped = tokenizer.decode(ids[MAX_TOKENS - 1 : -1], skip_special_tokens=True)
+    if len(dropped) > DROPPED_SHOWN:
+        dropped = dropped[:DROPPED_SHOWN] + "…"
+    return (
+        f"{name} is {len(ids)} tokens long; T5 reads the first {MAX_TOKENS}, so the end was left out: "
+        f"{dropped!r}. Shorten the {name} to keep all of it."
+    )
 
 
 def _encode(

@@ -11,7 +11,7 @@ import torch
 from . import estimates, memory
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource
+from .models import ModelSource, check_weights
 from .sampler import check_latent_tensor
 
 TILING = ("auto", "on", "off")
@@ -94,7 +94,9 @@ def _load(source: ModelSource, dtype: torch.dtype, device: torch.device, vae_fil
     from diffusers import AutoencoderKL
 
     if vae_file is None:
-        model = AutoencoderKL.from_pretrained(source.folder(["vae"]), subfolder="vae", dtype=dtype)
+        folder = source.folder(["vae"])
+        check_weights(folder / "vae", source.name)
+        model = AutoencoderKL.from_pretrained(folder, subfolder="vae", dtype=dtype, use_safetensors=True)
     elif source.path is not None and (source.path / "vae" / "config.json").is_file():
         # The model's own VAE config (local: no network), so the file replaces its weights only.
         model = AutoencoderKL.from_single_file(

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..core import sampler
 from ..core.quant import TRANSFORMER_SCHEMES
@@ -211,6 +211,7 @@ class QuantoPixArtSampler(io.ComfyNode):
         else:
             width, height = sampler.preset_size(resolution, width, height)
         report = common.begin_stage(cls.hidden.dynprompt)
+        warnings: list[str] = []
         samples = sampler.sample(
             source,
             embeds,
@@ -230,5 +231,8 @@ class QuantoPixArtSampler(io.ComfyNode):
             report=report,
             low_vram=low_vram,
             transformer_file=file,
+            on_warning=warnings.append,
         )
-        return io.NodeOutput({"samples": samples})
+        # Shown on the node: a size far from the model's own.
+        shown = ui.PreviewText("\n".join(warnings)) if warnings else None
+        return io.NodeOutput({"samples": samples}, ui=shown)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import comfy.model_management
 import folder_paths
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
 from ..core import conditioning, text_encoder
 from ..core.quant import TEXT_ENCODER_SCHEMES
@@ -97,6 +97,7 @@ class QuantizedT5Encode(io.ComfyNode):
         t5_path = (
             None if t5_file == FROM_MODEL else folder_paths.get_full_path_or_raise("text_encoders", t5_file)
         )
+        warnings: list[str] = []
         embeds = text_encoder.encode(
             common.resolve(model),
             prompt,
@@ -109,5 +110,8 @@ class QuantizedT5Encode(io.ComfyNode):
             t5_file=t5_path,
             tokenizer_fallback=comfy_t5_tokenizer(),
             low_vram=low_vram,
+            on_warning=warnings.append,
         )
-        return io.NodeOutput(embeds, *conditioning.core_conditioning(embeds))
+        # Shown on the node: a prompt cut at 300 tokens.
+        shown = ui.PreviewText("\n".join(warnings)) if warnings else None
+        return io.NodeOutput(embeds, *conditioning.core_conditioning(embeds), ui=shown)
