@@ -161,7 +161,7 @@ def main() -> int:
             results[name] = {"name": name, "error": " | ".join(lines[-3:])[-600:]}
             continue
         results[name] = json.loads(stem.with_suffix(".json").read_text())
-        results[name]["output"] = torch.load(stem.with_suffix(".pt"))
+        results[name]["output"] = torch.load(stem.with_suffix(".pt"), weights_only=True)
         print(name, {k: v for k, v in results[name].items() if k != "output"}, flush=True)
     reference = results["fp16 eager"]["output"].flatten().double()
     for r in results.values():

@@ -152,7 +152,7 @@ def main() -> int:
             check=True,
         )
         results[name] = {**CONFIGS[name], **json.loads(stem.with_suffix(".json").read_text())}
-        results[name]["tensors"] = torch.load(stem.with_suffix(".pt"))
+        results[name]["tensors"] = torch.load(stem.with_suffix(".pt"), weights_only=True)
     ref = next(iter(results.values()))["tensors"]
     for r in results.values():
         tensors = r.pop("tensors")

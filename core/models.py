@@ -104,7 +104,9 @@ class ModelSource:
 
         patterns = [MODEL_INDEX, *(f"{c}/*" for c in components)]
         try:
-            return Path(snapshot_download(self.hub_id, allow_patterns=patterns))
+            # Pickled weights are never read, so never fetched either.
+            ignore = [f"*{suffix}" for suffix in PICKLE_SUFFIXES]
+            return Path(snapshot_download(self.hub_id, allow_patterns=patterns, ignore_patterns=ignore))
         except Exception as exc:
             where = ", ".join(self.searched) or "(no model folders configured)"
             raise FileNotFoundError(
