@@ -181,3 +181,37 @@ def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda,
     assert on_gpu and all(len(loaded) <= 2 for loaded in on_gpu), on_gpu
     count = tiny.config(stage)["num_layers"]
     assert [loaded[0] for loaded in on_gpu[:count]] == list(range(count))
+
+
+@pytest.mark.parametrize("stage", ["sample", "vae_decode"])
+def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference, cuda, stage):
+    """With the allocator capped a little above what is in use, a large sample or an untiled decode runs
+    out of memory: the error names the stage and what to change, the memory comes back, and the next run
+    (uncapped) succeeds."""
+
+    def run(big: bool):
+        if stage == "sample":
+            size = 2048 if big else SETTINGS["width"]
+            return sampler.sample(
+                tiny, reference.embeds, **{**SETTINGS, "width": size, "height": size}, device=cuda
+            )
+        latents = torch.zeros(1, 4, 256, 256) if big else reference.latents
+        return vae.decode(tiny, latents, device=cuda, tiling="off")
+
+    run(big=False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(cuda)
+    total = torch.cuda.get_device_properties(cuda).total_memory
+    torch.cuda.set_per_process_memory_fraction((before + 64 * 2**20) / total, cuda)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            run(big=True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda)
+    message = str(info.value)
+    assert f"stage {stage} ran out of GPU memory" in message, message
+    assert ("tiling" if stage == "vae_decode" else "low_vram") in message and "Free VRAM" in message
+    # The exception is still alive here: it must not hold the model.
+    assert torch.cuda.memory_allocated(cuda) == before
+    run(big=False)
