@@ -270,10 +270,14 @@ def test_memory_report_collects_the_prompt_stages(chain):
 def test_memory_snapshot_writes_its_record_to_the_output_folder(comfy, chain):
     out = chain.prompt.call("4", value=chain.images, filename_prefix="direct")
     assert out.result[0] is chain.images
-    (text,) = out.ui.as_dict()["text"]
+    timeline = out.result[1]
+    assert timeline.ndim == 4 and timeline.shape[0] == 1 and timeline.shape[-1] == 3
+    (text,) = out.ui["text"]  # the picture and the table together: a plain dict
+    assert out.ui["images"], "the timeline is shown on the node"
     assert "no CUDA" in text and "vae_decode" in text
     record = comfy.output / "direct_00001.json"
     assert (comfy.output / "direct_00001.md").is_file()
+    assert (comfy.output / "direct_00001.png").is_file()
     assert record.name in text
     stages = [stage["stage"] for stage in json.loads(record.read_text())["stages"]]
     assert stages == ["t5_encode", "sample", "vae_decode"]
