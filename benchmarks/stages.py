@@ -3,9 +3,11 @@
 Builds the full PixArt-Σ 1024 architecture with random weights (once, in --model-dir), then runs each
 configuration in a fresh process (so no allocator state carries over) and compares its T5 embeddings
 and final latents with the unquantized reference (T5 bf16, transformer fp16). Writes results.json and
-results.md to --out.
+results.md to --out. With --comfyui (a ComfyUI checkout, used in place) the table gains ComfyUI core's own
+PixArt-Σ path, its memory manager told the card has --card-gb GB, with and without --lowvram
+(benchmarks/comfyui_path.py).
 
-    python benchmarks/stages.py --model-dir /tmp/pixart-full --out benchmarks/results
+    python benchmarks/stages.py --model-dir /tmp/pixart-full --out benchmarks/results [--comfyui ComfyUI]
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
+    parser.add_argument("--comfyui", type=Path, help="a ComfyUI checkout: add its core path's rows")
+    parser.add_argument("--card-gb", type=float, default=8.0, help="the card ComfyUI's rows are told of")
     parser.add_argument("--one", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -160,6 +164,8 @@ def main() -> int:
             r["embeds_cosine"] = cosine(tensors["embeds"], ref["embeds"])
         r["latents_cosine"] = cosine(tensors["latents"], ref["latents"])
         r["image_mean_abs_diff"] = float((tensors["images"] - ref["images"]).abs().mean())
+    if args.comfyui:
+        results.update(comfyui_rows(args))
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -175,6 +181,27 @@ def main() -> int:
     return 0
 
 
+COMFYUI_NOTE = (
+    " ComfyUI rows: each stage is a loader node and the node using it (core loads lazily); embeds cos is "
+    "against the pack's bf16 T5 on ComfyUI's tokens; core's noise differs, so no latents cos."
+)
+
+
+def comfyui_rows(args) -> dict:
+    """ComfyUI core's rows, each configuration in a fresh process (benchmarks/comfyui_path.py). Their embeds
+    cosine is against the pack's bf16 T5 on ComfyUI's tokens; their latents are not comparable (other noise)."""
+    out = args.out / "comfyui"
+    script = Path(__file__).with_name("comfyui_path.py")
+    size, steps, cfg, seed = SETTINGS["width"], SETTINGS["steps"], SETTINGS["cfg"], SETTINGS["seed"]
+    subprocess.run(
+        [sys.executable, str(script), "--comfyui", str(args.comfyui), "--model-dir", str(args.model_dir),
+         "--card-gb", str(args.card_gb), "--lowvram", "--size", str(size), "--steps", str(steps),
+         "--cfg", str(cfg), "--seed", str(seed), "--out", str(out)],
+        check=True,
+    )  # fmt: skip
+    return json.loads((out / "results.json").read_text())["results"]
+
+
 def markdown(meta: dict, results: dict) -> str:
     gib = 2**30
     lines = [
@@ -184,7 +211,8 @@ def markdown(meta: dict, results: dict) -> str:
         "(weights on disk to image, in a fresh process; diffusers and transformers imported before the clock, "
         "so the total minus the stages is the rest of a cold start: bitsandbytes and optimum-quanto loading on "
         "first use, tokenizer, configs). Cosines are against the reference row of the same run; with random "
-        "weights they measure the arithmetic, not image quality.",
+        "weights they measure the arithmetic, not image quality."
+        + (COMFYUI_NOTE if any(name.startswith("ComfyUI") for name in results) else ""),
         "",
         "| configuration | T5 peak | sampler peak | VAE peak | whole peak | T5 s | sampler s | VAE s | total s "
         "| embeds cos | latents cos |",
@@ -198,7 +226,8 @@ def markdown(meta: dict, results: dict) -> str:
         else:
             cells = [f"{p:.2f}" for p in [*peaks, max(peaks)]] + [f"{t:.2f}" for t in times]
         embeds = f"{r['embeds_cosine']:.4f}" if "embeds_cosine" in r else "–"
-        cells += [f"{r['seconds']:.2f}", embeds, f"{r['latents_cosine']:.4f}"]
+        latents = f"{r['latents_cosine']:.4f}" if "latents_cosine" in r else "–"
+        cells += [f"{r['seconds']:.2f}", embeds, latents]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -265,3 +265,38 @@ def save_single_file_transformer(folder: str | os.PathLike, path: str | os.PathL
     partial.replace(path)
     logger.info("wrote the transformer of %s as %s (original PixArt layout)", folder, path)
     return path
+
+
+def save_single_file_t5(
+    folder: str | os.PathLike, path: str | os.PathLike, dtype: torch.dtype = torch.float16
+) -> Path:
+    """Write the T5 encoder of the diffusers model ``folder`` as one safetensors file in the layout of
+    ComfyUI's t5xxl files (``t5xxl_fp16.safetensors``), the one its Load CLIP (CLIPLoader) reads:
+    ``shared.weight`` for the token embeddings (no tied ``encoder.embed_tokens`` copy) and ``encoder.…``,
+    each tensor cast to ``dtype`` one at a time, so memory holds the output file's size and no more."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = Path(folder) / "text_encoder"
+    weights = sorted(source.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{source} holds no .safetensors weights to convert.")
+    out: dict[str, torch.Tensor] = {}
+    for file in weights:  # one file, or the shards of a large model
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open is not iterable)
+                out[key] = f.get_tensor(key).to(dtype).contiguous()
+    embeddings = out.pop("encoder.embed_tokens.weight", None)
+    if "shared.weight" not in out:
+        if embeddings is None:
+            raise ValueError(
+                f"{source} holds no token embeddings (shared.weight or encoder.embed_tokens.weight)."
+            )
+        out["shared.weight"] = embeddings
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(out, partial, metadata={"format": "pt"})
+    partial.replace(path)
+    logger.info("wrote the T5 of %s as %s (ComfyUI's t5xxl layout, %s)", folder, path, dtype)
+    return path
