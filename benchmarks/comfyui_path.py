@@ -27,7 +27,7 @@ and images are saved but not compared with the pack's.
 
 On one GPU (writes results.json, results.md and the tensors to --out):
 
-    python benchmarks/comfyui_path.py --comfyui /path/to/ComfyUI --model-dir /tmp/pixart-full \\
+    python benchmarks/comfyui_path.py --comfyui /path/to/ComfyUI --model-dir pixart-full \\
         --card-gb 8 --lowvram --size 1024 --steps 20 --out benchmarks/results/comfyui
 
 A functional check without CUDA (ComfyUI's --cpu mode, T5 in bf16 there; no memory figures): ``--device

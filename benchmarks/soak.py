@@ -29,14 +29,14 @@ Criteria (exit code 1 when one fails, 2 when the soak could not run):
 GPU run (full-size random weights, 512², 50 prompts), in the venv that has ComfyUI's requirements and the
 pack; the first command builds the published PixArt-Σ 1024 shapes with random weights (about 10 GB):
 
-    python -m pixart_lowvram demo --preset full --model-dir /tmp/pixart-full --device cuda --steps 2
-    python benchmarks/soak.py --comfyui /path/to/ComfyUI --model-dir /tmp/pixart-full --out soak-gpu
+    python -m pixart_lowvram demo --preset full --model-dir pixart-full --device cuda --steps 2
+    python benchmarks/soak.py --comfyui /path/to/ComfyUI --model-dir pixart-full --out soak-gpu
 
 (``--random-preset full`` builds the model in ``--model-dir`` when it is missing, without the demo run.)
 CPU run with the tiny model:
 
     python benchmarks/soak.py --comfyui /path/to/ComfyUI --cpu --random-preset tiny \\
-        --model-dir /tmp/pixart-tiny --size 64 --steps 2 --count 50 --out soak-cpu
+        --model-dir pixart-tiny --size 64 --steps 2 --count 50 --out soak-cpu
 
 Writes ``soak.json`` and ``soak.md`` to ``--out``, the images to ``--out``/images; a started server's base
 directory (its output folder, memory reports and server.log) is ``--out``/server unless ``--base`` says.

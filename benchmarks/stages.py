@@ -7,7 +7,7 @@ results.md to --out. With --comfyui (a ComfyUI checkout, used in place) the tabl
 PixArt-Σ path, its memory manager told the card has --card-gb GB, with and without --lowvram
 (benchmarks/comfyui_path.py).
 
-    python benchmarks/stages.py --model-dir /tmp/pixart-full --out benchmarks/results [--comfyui ComfyUI]
+    python benchmarks/stages.py --model-dir pixart-full --out benchmarks/results [--comfyui ComfyUI]
 """
 
 from __future__ import annotations
