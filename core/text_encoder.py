@@ -171,6 +171,7 @@ def encode(
     tokenizer_fallback: Path | None = None,
     low_vram: bool = False,
     on_warning: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
     unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
@@ -180,7 +181,9 @@ def encode(
     With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
     (see :mod:`quant_cache`). ``low_vram`` keeps T5 in CPU memory and streams its layers to the GPU one
     at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed.
-    A prompt longer than 300 tokens is cut there; the warning is logged and given to ``on_warning``."""
+    A prompt longer than 300 tokens is cut there; the warning is logged and given to ``on_warning``.
+    ``on_progress(done, total)`` is called when T5 is ready (loaded or kept) and when the prompts are
+    encoded; an exception it raises (a cancel) ends the stage like any other."""
     if not isinstance(low_vram, bool):
         raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
@@ -217,7 +220,12 @@ def encode(
             keep_loaded,
             quant_cache_dir,
             low_vram,
+            on_progress or _no_progress,
         )
+
+
+def _no_progress(_done: int, _total: int) -> None:
+    pass
 
 
 def truncation_warning(tokenizer, name: str, text: str) -> str | None:
@@ -246,6 +254,7 @@ def _encode(
     keep_loaded,
     cache_dir,
     low_vram,
+    on_progress,
 ) -> PixArtEmbeds:
     # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
     from diffusers import PixArtSigmaPipeline
@@ -256,6 +265,7 @@ def _encode(
         quant.scheme, dtype, low_vram
     )  # (weights, work) bytes, for the host to make room
     with cache.use(key, load, keep_loaded, device, *room) as text_encoder:
+        on_progress(1, 2)
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
@@ -268,6 +278,7 @@ def _encode(
             clean_caption=False,
             max_sequence_length=MAX_TOKENS,
         )
+        on_progress(2, 2)
     return PixArtEmbeds(
         prompt_embeds=embeds.cpu(),
         prompt_mask=mask.cpu(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,6 +149,7 @@ def decode(
     tile_size: int = TILE_SIZE,
     report: memory.MemoryReport | None = None,
     vae_file: str | Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
     """Decode raw-VAE-space latents ``[B, 4, h, w]`` to images ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU.
 
@@ -155,6 +157,7 @@ def decode(
     memory), ``off`` in one piece, ``auto`` tiles when the whole would not fit in free GPU memory.
     ``vae_file``: the SDXL VAE as one safetensors file instead of the model's vae/ (the model folder's VAE
     config is used with it, so nothing is fetched).
+    ``on_progress(done, total)`` is called when the VAE is ready (loaded or kept) and when it has decoded.
     """
     check_latents(samples)
     vae_file = check_vae_file(vae_file) if vae_file is not None else None
@@ -172,11 +175,11 @@ def decode(
     dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.float32)
     tile = tile_size if use_tiles(tiling, samples, dtype, device) else None
     with memory.stage("vae_decode", device, report):
-        return _decode(source, samples, dtype, device, keep_loaded, tile, vae_file)
+        return _decode(source, samples, dtype, device, keep_loaded, tile, vae_file, on_progress)
 
 
 def _decode(
-    source, samples, dtype, device, keep_loaded, tile: int | None, vae_file: Path | None
+    source, samples, dtype, device, keep_loaded, tile: int | None, vae_file: Path | None, on_progress=None
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the VAE alive.
     weights = str(vae_file.resolve()) if vae_file is not None else source.key
@@ -184,9 +187,13 @@ def _decode(
     load = lambda: _load(source, dtype, device, vae_file)  # noqa: E731
     weights_bytes, work = needs(samples, dtype, tile)
     with cache.use(key, load, keep_loaded, device=device, weights=weights_bytes, work=work) as vae:
+        if on_progress is not None:
+            on_progress(1, 2)
         # A kept VAE may come back from a tiled run: set its mode every time.
         vae.use_tiling = tile is not None
         if tile is not None:
             vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // 8
         decoded = vae.decode(samples.to(device, dtype), return_dict=False)[0]
+        if on_progress is not None:
+            on_progress(2, 2)
     return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()

@@ -97,6 +97,20 @@ def begin_stage(dynprompt) -> memory.MemoryReport:
     return report()
 
 
+def stage_progress():
+    """ComfyUI's progress bar for a stage without steps (T5 Encode, VAE Decode): it moves when the model is
+    loaded and when the stage is done, and a Cancel stops the stage at those points."""
+    bars: list = []
+
+    def on_progress(done: int, total: int) -> None:
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        if not bars:
+            bars.append(comfy.utils.ProgressBar(total))
+        bars[0].update_absolute(done, total)
+
+    return on_progress
+
+
 def step_callback(total: int):
     """Drives ComfyUI's progress bar with a preview of each step, and stops at the next step when the user
     cancels.

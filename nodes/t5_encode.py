@@ -111,6 +111,7 @@ class QuantizedT5Encode(io.ComfyNode):
             tokenizer_fallback=comfy_t5_tokenizer(),
             low_vram=low_vram,
             on_warning=warnings.append,
+            on_progress=common.stage_progress(),
         )
         # Shown on the node: a prompt cut at 300 tokens.
         shown = ui.PreviewText("\n".join(warnings)) if warnings else None

@@ -54,6 +54,7 @@ class PixArtVAEDecode(io.ComfyNode):
             tiling=tiling,
             report=report,
             vae_file=None if vae_file in (None, vae.FROM_MODEL) else vae_path(vae_file),
+            on_progress=common.stage_progress(),
         )
         return io.NodeOutput(images)
 

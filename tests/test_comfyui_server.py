@@ -500,3 +500,16 @@ def test_queue_command_exits_with_the_servers_error(server, tmp_path, assignment
     assert result.returncode == 2
     for message in messages:
         assert message in result.stderr
+
+
+def test_encode_and_decode_drive_the_progress_bar(server):
+    """T5 Encode and VAE Decode send progress when their model is loaded and when they are done."""
+    prompt = basic_prompt(seed=41)
+    # A prompt text of its own, so ComfyUI's cache cannot skip T5 Encode after an earlier test.
+    prompt[node_id(prompt, "PixArtQ_T5Encode")]["inputs"]["prompt"] = "a lighthouse at dusk, progress test"
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    for class_type in ("PixArtQ_T5Encode", "PixArtQ_VAEDecode"):
+        node = node_id(prompt, class_type)
+        progress = [(data["value"], data["max"]) for data in run.of_type("progress") if data["node"] == node]
+        assert progress == [(1, 2), (2, 2)], (class_type, progress)

@@ -146,9 +146,9 @@ class ProgressHook:
 @pytest.fixture(scope="module")
 def chain(comfy):
     """T5 encode -> sampler -> decode through the nodes in one prompt, with ComfyUI's progress hook
-    recording the sampler's steps."""
+    recording each node's progress."""
     prompt = Prompt(comfy, GRAPH)
-    with ProgressHook(comfy) as hook:
+    with ProgressHook(comfy) as encode_hook:
         embeds = prompt.call(
             "1",
             model=MODEL,
@@ -157,12 +157,21 @@ def chain(comfy):
             quantization="nf4",
             keep_loaded=False,
         ).result[0]
+    with ProgressHook(comfy) as hook:
         latent = prompt.call("2", **sampler_inputs(embeds)).result[0]
-    images = prompt.call("3", model=MODEL, latent=latent, keep_loaded=False).result[0]
+    with ProgressHook(comfy) as decode_hook:
+        images = prompt.call("3", model=MODEL, latent=latent, keep_loaded=False).result[0]
     steps = [(value, total) for value, total, _preview in hook.calls]
     previews = [preview for _value, _total, preview in hook.calls]
     return SimpleNamespace(
-        prompt=prompt, embeds=embeds, latent=latent, images=images, steps=steps, previews=previews
+        prompt=prompt,
+        embeds=embeds,
+        latent=latent,
+        images=images,
+        steps=steps,
+        previews=previews,
+        encode_progress=encode_hook.calls,
+        decode_progress=decode_hook.calls,
     )
 
 
@@ -192,6 +201,11 @@ def test_chain_outputs(chain):
 
 def test_sampler_drives_comfyui_progress_bar(chain):
     assert chain.steps == [(step, STEPS) for step in range(1, STEPS + 1)]
+
+
+def test_encode_and_decode_report_loaded_and_done(chain):
+    assert chain.encode_progress == [(1, 2, None), (2, 2, None)]
+    assert chain.decode_progress == [(1, 2, None), (2, 2, None)]
 
 
 @pytest.fixture
