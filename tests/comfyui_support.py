@@ -12,10 +12,7 @@ import io
 import json
 import os
 import shutil
-import signal
-import socket
 import struct
-import subprocess
 import sys
 import time
 import uuid
@@ -213,39 +210,6 @@ def follow(
             return messages, previews
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop(process: subprocess.Popen) -> None:
-    """Terminate the server's whole process group (ComfyUI may start helpers), killing after a grace period."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=20)
-
-
-def wait_until_up(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"ComfyUI exited with code {process.returncode} while starting:\n{log.read_text()}")
-        try:
-            if requests.get(url + "/system_stats", timeout=2).ok:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    stop(process)
-    pytest.fail(f"ComfyUI did not answer /system_stats within {START_TIMEOUT} s:\n{log.read_text()}")
-
-
 @contextlib.contextmanager
 def running_server(
     request,
@@ -255,62 +219,42 @@ def running_server(
     sdxl_vae_file: Path | None = None,
 ) -> Iterator[ComfyServer]:
     """A ComfyUI server on a free local port with ``base`` as its base directory (custom_nodes/ links to
-    this repository, models/diffusers/ holds the tiny model, models/vae/ holds ``sdxl_vae_file`` as
-    ``SDXL_VAE_FILE`` when one is given), stopped on exit; its log is printed when a test of the module
-    failed meanwhile."""
-    comfyui = Path(os.environ["COMFYUI_PATH"]).resolve()
-    for folder in (
-        "custom_nodes",
-        "models/diffusers",
-        "models/vae",
-        "models/vae_approx",
-        "output",
-        "input",
-        "temp",
-    ):
+    this repository, models/diffusers/ holds a copy of the tiny model — tests change it —, models/vae/
+    holds ``sdxl_vae_file`` as ``SDXL_VAE_FILE`` when one is given), started and stopped by
+    benchmarks/comfy_server.py; its log is printed when a test of the module failed meanwhile."""
+    import comfy_server  # benchmarks/, on pytest's pythonpath
+
+    for folder in ("models/diffusers", "models/vae", "models/vae_approx"):
         (base / folder).mkdir(parents=True)
-    (base / "custom_nodes" / "comfyui-pixart-lowvram").symlink_to(REPO, target_is_directory=True)
     shutil.copytree(tiny_folder, base / "models" / "diffusers" / MODEL)
     if sdxl_vae_file is not None:
         shutil.copyfile(sdxl_vae_file, base / "models" / "vae" / SDXL_VAE_FILE)
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = base / "server.log"
-    command = [
-        os.environ.get("COMFYUI_PYTHON") or sys.executable,
-        "main.py",
-        "--cpu",
-        "--listen",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--base-directory",
-        str(base),
-        "--database-url",
-        f"sqlite:///{base / 'db.sqlite'}",
-        "--disable-auto-launch",
-        # What most users set; in ComfyUI 0.8 "auto" means latent-to-RGB. A prompt's extra_data can
-        # override it (the web UI's preview setting).
-        "--preview-method",
-        "auto",
-        *extra_args,
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     failed_before = request.session.testsfailed
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command, cwd=comfyui, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        wait_until_up(process, url, log)
-        yield ComfyServer(url=url, base=base, log=log)
-    finally:
-        stop(process)
-        if request.session.testsfailed > failed_before:
-            capture = request.config.pluginmanager.getplugin("capturemanager")
-            with capture.global_and_fixture_disabled():
-                print(f"\n----- ComfyUI server log ({log}) -----\n{log.read_text()}", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        try:
+            started = stack.enter_context(
+                comfy_server.started(
+                    Path(os.environ["COMFYUI_PATH"]),
+                    base,
+                    models={},
+                    python=os.environ.get("COMFYUI_PYTHON") or sys.executable,
+                    cpu=True,
+                    # What most users set; in ComfyUI 0.8 "auto" means latent-to-RGB. A prompt's
+                    # extra_data can override it (the web UI's preview setting).
+                    extra_args=("--preview-method", "auto", *extra_args),
+                    timeout=START_TIMEOUT,
+                )
+            )
+        except comfy_server.ServerError as exc:
+            pytest.fail(str(exc))
+        try:
+            yield ComfyServer(url=started.url, base=base, log=started.log)
+        finally:
+            if request.session.testsfailed > failed_before:
+                capture = request.config.pluginmanager.getplugin("capturemanager")
+                with capture.global_and_fixture_disabled():
+                    log = started.log
+                    print(f"\n----- ComfyUI server log ({log}) -----\n{log.read_text()}", file=sys.stderr)
 
 
 def node_id(prompt: dict, class_type: str) -> str:
