@@ -290,28 +290,41 @@ class T5File:
         return state
 
 
-def read_t5_file(path: str | os.PathLike) -> T5File:
-    """Check that ``path`` is a T5 encoder saved as one safetensors file and infer its config, reading
-    only the file's header. Other formats are refused unread: .bin/.pt/.ckpt files are pickles."""
+def read_single_file_header(
+    path: str | os.PathLike, input_name: str, hint: str
+) -> tuple[Path, dict[str, tuple[str, list[int]]]]:
+    """The path and each tensor's (dtype, shape) of a single safetensors file chosen for ``input_name``
+    (t5_file, transformer_file, vae_file), from its header only. Other formats are refused unopened
+    (.bin/.pt/.ckpt files are pickles, which can run code when loaded); an unreadable header (a truncated
+    download) is named. ``hint`` says where such files go."""
     path = Path(path).expanduser()
     if path.suffix.lower() != ".safetensors":
+        kind = path.suffix or "file without an extension"
         raise ValueError(
-            f"t5_file {str(path)!r}: only .safetensors files are read; a {path.suffix or 'file without an extension'}"
-            f" file may be a pickle, which can run code when loaded and which the pack never opens. Pick the "
-            f".safetensors version of the T5 file. {T5_FILE_HINT}"
+            f"{input_name} {str(path)!r}: only .safetensors files are read; a {kind} file may be a pickle, "
+            f"which can run code when loaded and which the pack never opens. Pick (or convert to) the "
+            f".safetensors version. {hint}"
         )
     if not path.is_file():
-        raise FileNotFoundError(f"t5_file {str(path)!r} does not exist. {T5_FILE_HINT}")
+        raise FileNotFoundError(f"{input_name} {str(path)!r} does not exist. {hint}")
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt") as f:
-            tensors = {key: (f.get_slice(key).get_dtype(), f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+            slices = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118  (not iterable)
+            tensors = {key: (piece.get_dtype(), piece.get_shape()) for key, piece in slices.items()}
     except (SafetensorError, OSError) as exc:
         raise ValueError(
-            f"t5_file {str(path)!r} is not a readable safetensors file ({exc}). If it was downloaded, the "
-            f"download is probably incomplete: download it again."
+            f"{input_name} {str(path)!r} is not a readable safetensors file ({exc}). If it was downloaded, the "
+            f"download is probably incomplete: download it again. {hint}"
         ) from exc
+    return path, tensors
+
+
+def read_t5_file(path: str | os.PathLike) -> T5File:
+    """Check that ``path`` is a T5 encoder saved as one safetensors file and infer its config, reading
+    only the file's header. Other formats are refused unread: .bin/.pt/.ckpt files are pickles."""
+    path, tensors = read_single_file_header(path, "t5_file", T5_FILE_HINT)
     return _infer_t5(path, tensors)
 
 
@@ -491,25 +504,8 @@ def read_transformer_file(
     from ``folder_config`` (the chosen model folder's transformer config) where its width matches: the
     head count (else 16 heads of 72, as in every published PixArt) and the native size (after a size in
     the file's name: 512, 1024, 2K/2048, 256)."""
-    path = Path(path).expanduser()
-    if path.suffix.lower() != ".safetensors":
-        raise ValueError(
-            f"transformer_file {str(path)!r}: only .safetensors files are read; a {path.suffix or 'extensionless'} "
-            f"file may be a pickle, which can run code when loaded and which the pack never opens. "
-            f"Convert the checkpoint to safetensors or pick the .safetensors version. {TRANSFORMER_FILE_HINT}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"transformer_file {str(path)!r} does not exist. {TRANSFORMER_FILE_HINT}")
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(
-            f"transformer_file {str(path)!r} is not a readable safetensors file ({exc}). If it was downloaded, "
-            f"the download is probably incomplete: download it again."
-        ) from exc
+    path, tensors = read_single_file_header(path, "transformer_file", TRANSFORMER_FILE_HINT)
+    shapes = {key: shape for key, (_dtype, shape) in tensors.items()}
     return _infer_transformer(path, shapes, folder_config or {})
 
 

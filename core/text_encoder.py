@@ -261,9 +261,8 @@ def _encode(
 
     key = ("text_encoder", weights.key, quant.scheme, dtype, str(device), low_vram)
     load = lambda: _load(weights, quant, dtype, device, cache_dir, low_vram)  # noqa: E731
-    room = estimates.text_encoder(
-        quant.scheme, dtype, low_vram
-    )  # (weights, work) bytes, for the host to make room
+    # (weights, work) bytes, for the host to make room
+    room = estimates.text_encoder(quant.scheme, dtype, low_vram)
     with cache.use(key, load, keep_loaded, device, *room) as text_encoder:
         on_progress(1, 2)
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.

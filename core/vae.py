@@ -12,7 +12,7 @@ import torch
 from . import estimates, memory
 from .cache import cache
 from .devices import as_device, resolve_dtype
-from .models import ModelSource, check_weights
+from .models import ModelSource, check_weights, read_single_file_header
 from .sampler import check_latent_tensor
 
 TILING = ("auto", "on", "off")
@@ -63,25 +63,8 @@ def check_latents(samples: object) -> None:
 def check_vae_file(path: str | Path) -> Path:
     """Refuse anything but a readable safetensors file holding an SDXL-family VAE (4 latent channels), reading
     only its header, before anything loads."""
-    path = Path(path)
-    if path.suffix.lower() != ".safetensors":
-        kind = path.suffix or "file without an extension"
-        raise ValueError(
-            f"vae_file {str(path)!r}: only .safetensors files are read (a {kind} may hold a pickle, which "
-            f"can run code when loaded). {VAE_FILE_HINT}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"vae_file {str(path)!r} does not exist. {VAE_FILE_HINT}")
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())  # safe_open is not a container: ``in f`` does not work
-            shape = f.get_slice(CONV_IN).get_shape() if CONV_IN in names else None
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(
-            f"vae_file {str(path)!r} is not a readable safetensors file ({exc}). {VAE_FILE_HINT}"
-        ) from exc
+    path, tensors = read_single_file_header(path, "vae_file", VAE_FILE_HINT)
+    shape = tensors[CONV_IN][1] if CONV_IN in tensors else None
     if shape is None or len(shape) != 4 or shape[1] != SDXL_VAE_CONFIG["latent_channels"]:
         found = f"no {CONV_IN}" if shape is None else f"{CONV_IN} of shape {shape}"
         raise ValueError(
