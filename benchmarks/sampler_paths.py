@@ -20,9 +20,14 @@ import torch
 CALLS = 20  # one 20-step image with cfg: the two halves go through the transformer as one batch
 TOKENS = 300
 
-# name: (compute dtype, how the weights are made, torch.compile: False, True or a compile mode)
+# name: (compute dtype, how the weights are made, torch.compile: False, True or a compile mode; for the
+# pack's own loading ("pack-<scheme>"): "fast" = its fast path, "expand" = the same without the compile)
 CANDIDATES = {
     "fp16 eager": ("float16", "none", False),
+    "pack fast path: qint8 expanded per block, compiled blocks": ("float16", "pack-qint8", "fast"),
+    "pack: qint8 expanded per block, eager": ("float16", "pack-qint8", "expand"),
+    "pack fast path, unquantized: fp16, compiled blocks": ("float16", "pack-none", "fast"),
+    "pack fast path: qfloat8 expanded per block, compiled blocks": ("float16", "pack-qfloat8", "fast"),
     "bf16 eager": ("bfloat16", "none", False),
     "fp16 compiled": ("float16", "none", True),
     "quanto qint8 fp16": ("float16", "quanto-qint8", False),
@@ -72,6 +77,18 @@ def convert(model: torch.nn.Module, how: str) -> None:
     quantize_(model, config, filter_fn=in_blocks)
 
 
+def pack_prepare(model: torch.nn.Module, scheme: str, how: str) -> torch.nn.Module:
+    """The pack's own loading after from_pretrained (core/sampler.py prepare): fast path, or its weight
+    expansion without the compile."""
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, Quantization
+
+    if how == "expand":
+        sampler.compile_blocks = lambda blocks: None
+    cuda = torch.device("cuda")
+    return sampler.prepare(model, Quantization(scheme, cuda, TRANSFORMER_SCHEMES), cuda, fast=True)
+
+
 def run_one(model_dir: str, name: str, out: Path) -> None:
     from diffusers import PixArtTransformer2DModel
 
@@ -80,8 +97,12 @@ def run_one(model_dir: str, name: str, out: Path) -> None:
     result: dict = {"name": name}
     start = time.perf_counter()
     model = PixArtTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype)
-    model.to("cuda").eval()
-    convert(model, how)
+    if how.startswith("pack-"):
+        model = pack_prepare(model, how.split("-", 1)[1], compiled)
+        compiled = False  # (compiled there, block by block)
+    else:
+        model.to("cuda").eval()
+        convert(model, how)
     torch.cuda.synchronize()
     result["prepare_s"] = time.perf_counter() - start
     result["resident_bytes"] = torch.cuda.memory_allocated()

@@ -374,6 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the interpreter that runs ComfyUI (default: $COMFYUI_PYTHON, else this one)",
     )
     where.add_argument("--cpu", action="store_true", help="start ComfyUI with --cpu")
+    where.add_argument(
+        "--server-arg",
+        dest="server_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the started ComfyUI, e.g. --server-arg=--front-end-root=DIR (repeatable)",
+    )
     where.add_argument("--base", type=Path, help="the started server's base directory (default: OUT/server)")
     where.add_argument(
         "--model-dir", type=Path, help="a diffusers PixArt-Σ folder, linked into the started server"
@@ -447,7 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             model = args.model or args.model_dir.name
             base = args.base or args.out / "server"
             with comfy_server.started(
-                args.comfyui, base.resolve(), {model: args.model_dir}, args.python, cpu=args.cpu
+                args.comfyui,
+                base.resolve(),
+                {model: args.model_dir},
+                args.python,
+                cpu=args.cpu,
+                extra_args=tuple(args.server_args),
             ) as server:
                 logger.info("ComfyUI at %s (pid %d), log %s", server.url, server.pid, server.log)
                 result = soak(args, server.url, server.pid, model)

@@ -13,8 +13,12 @@ PixArt-Σ path, its memory manager told the card has --card-gb GB, with and with
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import os
 import platform
+import pstats
 import shutil
 import subprocess
 import sys
@@ -34,6 +38,12 @@ CONFIGS: dict[str, dict] = {
     ),
     "pack default, cache warm": dict(t5="nf4", weights="qint8", tiling="auto", cache="on"),
     "pack, tiled decode": dict(t5="nf4", weights="qint8", tiling="on", cache="on"),
+    "pack fast sampler path, first compile": dict(
+        t5="nf4", weights="qint8", tiling="auto", cache="on", fast=True
+    ),
+    "pack fast sampler path, compiled code cached on disk": dict(
+        t5="nf4", weights="qint8", tiling="auto", cache="on", fast=True
+    ),
     "pack low-VRAM (streamed T5 nf4 + qint8, tiled decode)": dict(
         t5="nf4", weights="qint8", tiling="on", cache="on", low_vram=True
     ),
@@ -76,6 +86,7 @@ def run_one(model_dir: str, config: dict, out: Path) -> None:
         device="cuda",
         report=report,
         low_vram=low_vram,
+        fast=config.get("fast", False),
         **SETTINGS,
     )
     images = vae.decode(source, latents, device="cuda", tiling=config["tiling"], report=report)
@@ -136,10 +147,22 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
     parser.add_argument("--comfyui", type=Path, help="a ComfyUI checkout: add its core path's rows")
     parser.add_argument("--card-gb", type=float, default=8.0, help="the card ComfyUI's rows are told of")
+    parser.add_argument(
+        "--profile", action="store_true", help="write each configuration's top functions (cProfile) to OUT"
+    )
     parser.add_argument("--one", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        run_one(str(args.model_dir), CONFIGS[args.one[0]], Path(args.one[1]))
+        out = Path(args.one[1])
+        profile = cProfile.Profile() if args.profile else None
+        if profile is not None:
+            profile.enable()
+        run_one(str(args.model_dir), CONFIGS[args.one[0]], out)
+        if profile is not None:
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+            out.with_suffix(".profile.txt").write_text(text.getvalue())
         return 0
 
     from pixart_lowvram.core.random_model import ensure_random_pixart
@@ -148,11 +171,15 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     shutil.rmtree(args.out / "quant_cache", ignore_errors=True)  # the first cached config starts cold
+    # torch.compile's on-disk cache, the same way: the first fast row compiles, the second reads it
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((args.out / "inductor_cache").resolve())
+    shutil.rmtree(args.out / "inductor_cache", ignore_errors=True)
     names = args.only or list(CONFIGS)
     for i, name in enumerate(names):
         stem = args.out / f"config{i}"
         subprocess.run(
-            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", name, str(stem)],
+            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", name, str(stem)]
+            + (["--profile"] if args.profile else []),
             check=True,
         )
         results[name] = {**CONFIGS[name], **json.loads(stem.with_suffix(".json").read_text())}

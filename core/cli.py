@@ -56,6 +56,11 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
         action="store_true",
         help="stream T5 layers and transformer blocks from CPU memory and decode in tiles (< 1 GB at 1024²)",
     )
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present)")
     p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
     p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
@@ -178,6 +183,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
             on_step=lambda step, total, _latents: bar.update(step - bar.n),
             report=report,
             low_vram=args.low_vram,
+            fast=args.fast,
         )
     tiling = "on" if args.low_vram else args.tiling
     images = vae.decode(source, latents, device=device, dtype=args.precision, tiling=tiling, report=report)

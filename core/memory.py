@@ -226,6 +226,19 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         logger.info("stage %s", " | ".join(record.cells()))
 
 
+def history_problem() -> str | None:
+    """Why the CUDA allocator history cannot be recorded in this process; None when it can."""
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        return (
+            f"PyTorch's {backend} allocator keeps none (ComfyUI picks cudaMallocAsync by default); start "
+            "ComfyUI with --disable-cuda-malloc to record it. The stage table and peaks do not need it"
+        )
+    return None
+
+
 class History:
     """The process-wide CUDA allocator history (for PyTorch's memory viewer), recorded for one run."""
 
@@ -236,8 +249,11 @@ class History:
         self.started_us: int | None = None
 
     def ensure(self, run_id: str) -> bool:
-        """Record from now on for ``run_id``; False when there is no CUDA."""
-        if not torch.cuda.is_available():
+        """Record from now on for ``run_id``; False when it cannot be recorded (:func:`history_problem`)."""
+        problem = history_problem()
+        if problem is not None:
+            if problem != NO_CUDA:
+                logger.warning("no allocator history: %s", problem)
             return False
         if self.run_id != run_id:
             self.started_us = trace_clock_us()
@@ -294,8 +310,11 @@ def write_report(report: MemoryReport, stem: Path) -> Record:
     if line.peak is not None:
         lines.append(f"timeline: {line.peak.label()}")
     if snapshot is None:
+        problem = history_problem()
         lines.append(
-            f"{NO_CUDA}: no allocator snapshot" if not torch.cuda.is_available() else "no allocator history"
+            f"{NO_CUDA}: no allocator snapshot"
+            if problem == NO_CUDA
+            else f"no allocator history: {problem or 'none was recorded in this prompt'}"
         )
     lines.append("files: " + ", ".join(p.name for p in written))
     return Record(written, picture, "\n".join(lines))

@@ -291,9 +291,11 @@ def _load(
     dtype: torch.dtype,
     device: torch.device,
     low_vram: bool = False,
+    fast: bool = False,
 ):
     """The transformer, quantized, on ``device``; with ``low_vram`` quantized in CPU memory and its
-    blocks streamed to ``device`` one at a time (:mod:`streaming`)."""
+    blocks streamed to ``device`` one at a time (:mod:`streaming`). ``fast``: the blocks are compiled,
+    and their quantized weights expanded to ``dtype`` one block at a time before each runs."""
     from diffusers import PixArtTransformer2DModel
 
     if isinstance(weights, TransformerFile):
@@ -304,13 +306,43 @@ def _load(
         model = PixArtTransformer2DModel.from_pretrained(
             folder, subfolder="transformer", dtype=dtype, use_safetensors=True
         )
+    return prepare(model, quant, device, low_vram, fast)
+
+
+def prepare(model, quant: Quantization, device: torch.device, low_vram: bool = False, fast: bool = False):
+    """A loaded transformer (on the CPU) quantized and made ready to run on ``device`` (see ``_load``)."""
     model = quant.after_load(model)
     model.eval()
+    blocks = model.transformer_blocks
+    expand = fast and quant.plain_modules(blocks) > 0
     if low_vram:
-        streaming.stream_blocks(model, model.transformer_blocks, device)
+        streaming.stream_blocks(model, blocks, device, expand=expand)
     else:
         model.to(device)
+        if expand:
+            streaming.expand_blocks(blocks, device)
+    if fast:
+        compile_blocks(blocks)
     return model
+
+
+COMPILE_BACKEND = "inductor"
+FAST_FIX = "Turn the sampler's fast option off (the same image, quanto's own kernels)."
+
+
+def compile_blocks(blocks: torch.nn.ModuleList) -> None:
+    """``torch.compile`` each block's forward (the hooks around it stay eager). The blocks share their
+    code, so one compiled graph serves all 28; a new image size compiles once more."""
+    try:
+        for block in blocks:
+            block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=False)
+    except Exception as exc:  # the compiler's own imports (a torch build without a working inductor)
+        raise RuntimeError(f"fast: torch.compile cannot run here ({_cause(exc)}). {FAST_FIX}") from exc
+
+
+def _cause(exc: BaseException) -> str:
+    exc = getattr(exc, "inner_exception", None) or exc
+    return f"{type(exc).__name__}: {exc}"
 
 
 def sample(
@@ -334,6 +366,7 @@ def sample(
     low_vram: bool = False,
     transformer_file: str | os.PathLike | None = None,
     on_warning: Callable[[str], None] | None = None,
+    fast: bool = False,
 ) -> torch.Tensor:
     """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
     ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
@@ -350,13 +383,19 @@ def sample(
 
     ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
 
+    ``fast`` compiles the transformer's blocks (``torch.compile``; the first image of a process, and of
+    each new size, waits for the compile) and runs their matrix products in ``dtype`` on weights
+    expanded from the quantized ones one block at a time: faster than quanto's kernels, at about the
+    quantized model's memory.
+
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``source``'s
     transformer/; ``source`` still gives the scheduler and the VAE's scaling factor.
 
     A size far from the model's native one (:func:`size_warning`) is logged and given to ``on_warning``.
     """
-    if not isinstance(low_vram, bool):
-        raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
+    for name, flag in (("low_vram", low_vram), ("fast", fast)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be true or false, got {flag!r}.")
     if init_latents is not None:
         init_latents = check_init_latents(init_latents)
         height, width = (side * 8 for side in init_latents.shape[-2:])
@@ -410,6 +449,7 @@ def sample(
             keep_loaded,
             on_step,
             low_vram,
+            fast,
         )
     return latents / scale
 
@@ -428,15 +468,16 @@ def _sample(
     keep_loaded,
     on_step,
     low_vram,
+    fast,
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram)
+    key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram, fast)
     total = steps - schedule.skip
-    load = lambda: _load(weights, quant, dtype, device, low_vram)  # noqa: E731
+    load = lambda: _load(weights, quant, dtype, device, low_vram, fast)  # noqa: E731
     room = estimates.transformer(
-        quant.scheme, dtype, latents, low_vram
+        quant.scheme, dtype, latents, low_vram, fast
     )  # (weights, work) bytes, for the host
     with cache.use(key, load, keep_loaded, device, *room) as transformer:
         pipe = PixArtSigmaPipeline(
@@ -448,22 +489,27 @@ def _sample(
             if on_step is not None:
                 on_step(step + 1, total, latents)
 
-        latents = pipe(
-            negative_prompt=None,
-            prompt_embeds=embeds.prompt_embeds.to(device, dtype),
-            prompt_attention_mask=embeds.prompt_mask.to(device),
-            negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
-            negative_prompt_attention_mask=embeds.negative_mask.to(device),
-            latents=latents.to(device, dtype),
-            width=latents.shape[-1] * 8,
-            height=latents.shape[-2] * 8,
-            num_inference_steps=steps,
-            guidance_scale=cfg,
-            num_images_per_prompt=latents.shape[0] // embeds.batch,
-            generator=generator,
-            output_type="latent",
-            use_resolution_binning=False,
-            callback=callback,
-            return_dict=False,
-        )[0]
+        try:
+            latents = pipe(
+                negative_prompt=None,
+                prompt_embeds=embeds.prompt_embeds.to(device, dtype),
+                prompt_attention_mask=embeds.prompt_mask.to(device),
+                negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
+                negative_prompt_attention_mask=embeds.negative_mask.to(device),
+                latents=latents.to(device, dtype),
+                width=latents.shape[-1] * 8,
+                height=latents.shape[-2] * 8,
+                num_inference_steps=steps,
+                guidance_scale=cfg,
+                num_images_per_prompt=latents.shape[0] // embeds.batch,
+                generator=generator,
+                output_type="latent",
+                use_resolution_binning=False,
+                callback=callback,
+                return_dict=False,
+            )[0]
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # fast only: nothing else compiles
+            raise RuntimeError(
+                f"fast: torch.compile failed on this machine ({_cause(exc)}). {FAST_FIX}"
+            ) from exc
     return latents.float().cpu()

@@ -154,6 +154,16 @@ class QuantoPixArtSampler(io.ComfyNode):
                     "file). A size in its name (512, 1024, 2K) sets its native size; the model folder still gives "
                     "the scheduler and the VAE.",
                 ),
+                io.Boolean.Input(
+                    "fast",
+                    default=False,
+                    optional=True,
+                    tooltip="Compile the transformer's blocks (torch.compile) and run them on weights expanded "
+                    "from qint8/qfloat8 to fp16 one block at a time: faster than fp16 at about the quantized "
+                    "model's memory. The first image of a session (and of each new size) waits for the compile, "
+                    "about 20 s on a GPU; keep_loaded keeps the compiled model. Needs a working torch.compile "
+                    "(Triton on NVIDIA GPUs).",
+                ),
             ],
             outputs=[
                 io.Latent.Output(tooltip="Latents in raw VAE space (divided by the VAE scaling factor).")
@@ -204,6 +214,7 @@ class QuantoPixArtSampler(io.ComfyNode):
         denoise=1.0,
         low_vram=False,
         transformer_file=FROM_MODEL,
+        fast=False,
     ) -> io.NodeOutput:
         source, file = common.resolve(model), transformer_path(transformer_file)
         if resolution == sampler.NATIVE_RESOLUTION:
@@ -232,6 +243,7 @@ class QuantoPixArtSampler(io.ComfyNode):
             low_vram=low_vram,
             transformer_file=file,
             on_warning=warnings.append,
+            fast=fast,
         )
         # Shown on the node: a size far from the model's own.
         shown = ui.PreviewText("\n".join(warnings)) if warnings else None

@@ -222,6 +222,28 @@ def test_write_record_without_cuda(tmp_path):
     )
 
 
+def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
+    """ComfyUI starts PyTorch with the cudaMallocAsync allocator, which keeps no history and raises when
+    asked for one: the snapshot is skipped with the reason and the fix, the report is still written."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cudaMallocAsync does not yet support recordHistory")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", refuse)
+    history = memory.History()
+    assert history.ensure("prompt-1") is False
+    assert "--disable-cuda-malloc" in caplog.text
+    monkeypatch.setattr(memory, "history", history)
+    report = memory.MemoryReport()
+    report.add(StageRecord(stage="sample", device="cuda:0", seconds=1.0, peak_allocated=MiB))
+    record = memory.write_record(report, tmp_path, "pixart_memory")
+    assert "no allocator history: PyTorch's cudaMallocAsync allocator keeps none" in record.summary
+    assert "--disable-cuda-malloc" in record.summary
+    assert sorted(p.suffix for p in record.files) == [".json", ".md", ".png"]
+
+
 @pytest.mark.parametrize("prefix", ["../escape", "a/b", "/abs", ".hidden", ""])
 def test_report_names_cannot_leave_the_folder(tmp_path, prefix):
     folder = tmp_path / "out"

@@ -45,6 +45,7 @@ WIDGETS = {
         "denoise",
         "low_vram",
         "transformer_file",
+        "fast",
     ),
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": (),

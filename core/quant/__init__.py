@@ -55,6 +55,9 @@ class Quantization:
     def after_load(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.backend.after_load(model, self.scheme)
 
+    def plain_modules(self, module: torch.nn.Module) -> int:
+        return self.backend.plain_modules(module)
+
     def keeps_fp32_modules(self) -> bool:
         return self.backend.keeps_fp32_modules(self.scheme)
 

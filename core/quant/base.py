@@ -48,6 +48,11 @@ class QuantBackend(ABC):
     def after_load(self, model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         return model
 
+    def plain_modules(self, module: torch.nn.Module) -> int:
+        """Turn the library's quantized layers under ``module`` into plain torch layers that hold the
+        quantized weights (which then expand on demand: ``streaming``); return how many."""
+        return 0
+
     def keeps_fp32_modules(self, scheme: str) -> bool:
         """Whether the layers a model marks ``_keep_in_fp32_modules`` stay unquantized (transformers'
         default, which guards against fp16 overflow)."""

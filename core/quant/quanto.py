@@ -27,5 +27,31 @@ class QuantoBackend(QuantBackend):
         quanto.freeze(model)
         return model
 
+    def plain_modules(self, module: torch.nn.Module) -> int:
+        return plain_linears(module)
+
     def describe(self, scheme: str) -> str:
         return f"quanto {scheme}"
+
+
+def plain_linears(module: torch.nn.Module) -> int:
+    """Replace every frozen ``QLinear`` under ``module`` by a ``torch.nn.Linear`` holding the same
+    quantized weight and bias; return how many. Unhooked it computes what ``QLinear`` does (quanto's
+    tensor handles ``F.linear``); hooked by ``streaming`` with ``expand`` it runs on the expanded weight,
+    which ``QLinear`` would quantize again."""
+    from optimum.quanto import QTensor
+    from optimum.quanto.nn import QLinear
+
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QLinear) and isinstance(child.weight, QTensor):
+                with torch.device("meta"):
+                    plain = torch.nn.Linear(
+                        child.in_features, child.out_features, bias=child.bias is not None
+                    )
+                plain.weight = child.weight
+                plain.bias = child.bias
+                setattr(parent, name, plain)
+                replaced += 1
+    return replaced

@@ -1,0 +1,177 @@
+"""The fast sampler path (``fast``): quanto weights expanded one block at a time before it runs, blocks
+compiled. On the CPU: the same latents as the quantized model run by quanto (to the rounding of the
+expanded weight), the blocks' quantized layers turned into plain ones holding quanto's weights, at most
+the running and the prefetched block expanded at any moment, one compiled graph for all blocks, and the
+model freed like any other. Speed and memory are the benchmark's (benchmarks/sampler_paths.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pixart_lowvram.core import sampler, streaming
+from pixart_lowvram.core.quant.quanto import plain_linears
+
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
+FP32 = {"device": "cpu", "dtype": torch.float32}
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Blocks 'compiled' as they are (the tests that are about the expansion, not the compiler)."""
+    compiled = []  # how many blocks each call got (not the blocks: they would outlive their model)
+
+    def compile_blocks(blocks):
+        compiled.append(len(blocks))
+
+    monkeypatch.setattr(sampler, "compile_blocks", compile_blocks)
+    return compiled
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("quantization", ["qint8", "qfloat8"])
+def test_expanded_blocks_give_the_quantized_latents(tiny, reference, quantization, no_compile):
+    options = {**FP32, "quantization": quantization}
+    quanto = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
+    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    # quanto scales the product, the expanded path the weight: the same up to float rounding
+    torch.testing.assert_close(fast, quanto, rtol=1e-4, atol=1e-4)
+    assert no_compile == [tiny.config("transformer")["num_layers"]]
+
+
+def test_unquantized_fast_path_only_compiles(tiny, reference, no_compile):
+    plain = sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="none")
+    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="none", fast=True)
+    torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+    assert no_compile == [tiny.config("transformer")["num_layers"]]
+
+
+def test_quantized_linears_become_plain_ones_holding_quantos_weights():
+    from optimum import quanto
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU(), torch.nn.Linear(16, 8, bias=False))
+    quanto.quantize(model, weights=quanto.qint8)
+    quanto.freeze(model)
+    x = torch.randn(3, 32)
+    expected = model(x)
+    weights = [model[0].weight, model[2].weight]
+    assert plain_linears(model) == 2
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.GELU, torch.nn.Linear]
+    assert [model[0].weight, model[2].weight] == weights  # the same quanto tensors, not copies
+    assert isinstance(model[0].weight, quanto.QTensor)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # unhooked: quanto's own product
+
+
+def test_at_most_two_blocks_are_expanded_at_once(tiny, reference, monkeypatch, no_compile):
+    """Each block runs on expanded weights; the others hold quanto's, so only the running block (and,
+    on a GPU, the prefetched next one) costs 16-bit memory."""
+    from optimum.quanto import QTensor
+
+    seen = []
+    original = streaming.BlockStreamer.__init__
+
+    def init(self, blocks, device, prefetch, expand=False):
+        original(self, blocks, device, prefetch, expand)
+        for index, block in enumerate(blocks):
+
+            def spy(module, _args, _index=index, _blocks=blocks):
+                def expanded(b):
+                    return not any(isinstance(p, QTensor) for p in b.parameters())
+
+                seen.append((_index, expanded(module), [i for i, b in enumerate(_blocks) if expanded(b)]))
+
+            block.register_forward_pre_hook(spy)
+
+    monkeypatch.setattr(streaming.BlockStreamer, "__init__", init)
+    sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
+    blocks = tiny.config("transformer")["num_layers"]
+    # on the CPU there is no side stream: exactly the running block is expanded
+    assert seen == [(i, True, [i]) for i in range(blocks)] * 2
+
+
+def test_fast_and_low_vram_together(tiny, reference, no_compile):
+    options = {**FP32, "quantization": "qint8"}
+    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    both = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, low_vram=True, **options)
+    torch.testing.assert_close(both, fast, rtol=0, atol=0)
+
+
+def test_fast_model_is_freed_after_its_stage(tiny, reference, load_spy, no_compile):
+    sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
+    gc.collect()
+    assert load_spy.alive("transformer") == [False]
+
+
+def test_fast_must_be_a_flag(tiny, reference):
+    with pytest.raises(TypeError, match="fast must be true or false"):
+        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, fast="yes")
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Compile through dynamo (the tracing and graph cache of torch.compile) with a backend that runs
+    each graph as traced and records it: torch 2.13.0's CPU wheel cannot import inductor; the GPU tier
+    compiles with inductor."""
+    traced = []
+
+    def backend(graph, example_inputs):
+        traced.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(sampler, "COMPILE_BACKEND", backend)
+    torch._dynamo.reset()
+    yield traced
+    torch._dynamo.reset()
+
+
+def test_compiled_blocks_give_the_eager_latents(tiny, reference, graphs):
+    options = {**FP32, "quantization": "qint8"}
+    eager = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
+    compiled = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert graphs
+
+
+def test_all_blocks_share_their_graphs(tiny, graphs):
+    """Two graphs however many blocks: the first block's input comes transposed from the patch embedding,
+    the others get the previous block's contiguous output. A second call of the same size traces
+    nothing."""
+    from diffusers import PixArtTransformer2DModel
+
+    from pixart_lowvram.core.quant import Quantization
+
+    config = dict(tiny.config("transformer"), num_layers=6)
+    model = sampler.prepare(
+        PixArtTransformer2DModel.from_config(config),
+        Quantization("qint8", torch.device("cpu"), ("qint8",)),
+        torch.device("cpu"),
+        fast=True,
+    )
+    inputs = {
+        "hidden_states": torch.randn(2, 4, 8, 8),
+        "encoder_hidden_states": torch.randn(2, 5, config["caption_channels"]),
+        "timestep": torch.tensor([500, 500]),
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+    }
+    with torch.no_grad():
+        first = model(**inputs).sample
+        assert len(graphs) == 2
+        torch.testing.assert_close(model(**inputs).sample, first, rtol=0, atol=0)
+    assert len(graphs) == 2
+
+
+def test_a_compiler_failure_names_the_fast_option(tiny, reference, monkeypatch):
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(sampler, "COMPILE_BACKEND", broken)
+    torch._dynamo.reset()
+    message = r"fast: torch.compile failed on this machine \(RuntimeError: no C compiler\)\. Turn the sampler's fast"
+    with pytest.raises(RuntimeError, match=message):
+        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
+    torch._dynamo.reset()
