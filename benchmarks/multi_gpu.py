@@ -47,6 +47,7 @@ def run(folder: Path, quantization: str, placement: str) -> dict:
 
     gpus = range(torch.cuda.device_count())
     for i in gpus:
+        torch.empty(0, device=f"cuda:{i}")  # the device's allocator exists once something was allocated
         torch.cuda.reset_peak_memory_stats(i)
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
     tokens = tokenizer(PROMPT, max_length=300, padding="max_length", truncation=True, return_tensors="pt")

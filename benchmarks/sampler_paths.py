@@ -21,13 +21,13 @@ CALLS = 20  # one 20-step image with cfg: the two halves go through the transfor
 TOKENS = 300
 
 # name: (compute dtype, how the weights are made, torch.compile: False, True or a compile mode; for the
-# pack's own loading ("pack-<scheme>"): "fast" = its fast path, "expand" = the same without the compile)
+# pack's own loading ("pack-<scheme>"): "fast" = its fast path, "eager" = the same without the compile)
 CANDIDATES = {
     "fp16 eager": ("float16", "none", False),
-    "pack fast path: qint8 expanded per block, compiled blocks": ("float16", "pack-qint8", "fast"),
-    "pack: qint8 expanded per block, eager": ("float16", "pack-qint8", "expand"),
+    "pack fast path: qint8, compiled blocks": ("float16", "pack-qint8", "fast"),
+    "pack fast path without the compile: qint8 plain layers, eager": ("float16", "pack-qint8", "eager"),
     "pack fast path, unquantized: fp16, compiled blocks": ("float16", "pack-none", "fast"),
-    "pack fast path: qfloat8 expanded per block, compiled blocks": ("float16", "pack-qfloat8", "fast"),
+    "pack fast path: qfloat8, compiled blocks": ("float16", "pack-qfloat8", "fast"),
     "bf16 eager": ("bfloat16", "none", False),
     "fp16 compiled": ("float16", "none", True),
     "quanto qint8 fp16": ("float16", "quanto-qint8", False),
@@ -78,12 +78,12 @@ def convert(model: torch.nn.Module, how: str) -> None:
 
 
 def pack_prepare(model: torch.nn.Module, scheme: str, how: str) -> torch.nn.Module:
-    """The pack's own loading after from_pretrained (core/sampler.py prepare): fast path, or its weight
-    expansion without the compile."""
+    """The pack's own loading after from_pretrained (core/sampler.py prepare): the fast path, or its plain
+    quantized layers without the compile."""
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, Quantization
 
-    if how == "expand":
+    if how == "eager":
         sampler.compile_blocks = lambda blocks: None
     cuda = torch.device("cuda")
     return sampler.prepare(model, Quantization(scheme, cuda, TRANSFORMER_SCHEMES), cuda, fast=True)

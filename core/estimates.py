@@ -48,7 +48,7 @@ def text_encoder(scheme: str, dtype: torch.dtype, low_vram: bool = False) -> tup
 
 
 def transformer(
-    scheme: str, dtype: torch.dtype, latents: torch.Tensor, low_vram: bool = False, fast: bool = False
+    scheme: str, dtype: torch.dtype, latents: torch.Tensor, low_vram: bool = False
 ) -> tuple[int, int]:
     """(weights, work) of the sampler stage on ``latents`` ``[B, 4, h, w]`` (images of 8h × 8w)."""
     per_parameter = dtype.itemsize if scheme == "none" else QUANTIZED_BYTES_PER_PARAMETER
@@ -57,6 +57,4 @@ def transformer(
     weights = TRANSFORMER_PARAMETERS * per_parameter
     if low_vram:
         weights = weights * BLOCKS_IN_FLIGHT // TRANSFORMER_BLOCKS
-    if fast and scheme != "none":  # the blocks in flight expanded to ``dtype``
-        weights += TRANSFORMER_PARAMETERS * BLOCKS_IN_FLIGHT // TRANSFORMER_BLOCKS * dtype.itemsize
     return weights, work

@@ -294,8 +294,9 @@ def _load(
     fast: bool = False,
 ):
     """The transformer, quantized, on ``device``; with ``low_vram`` quantized in CPU memory and its
-    blocks streamed to ``device`` one at a time (:mod:`streaming`). ``fast``: the blocks are compiled,
-    and their quantized weights expanded to ``dtype`` one block at a time before each runs."""
+    blocks streamed to ``device`` one at a time (:mod:`streaming`). ``fast``: the blocks' quantized
+    layers hold plain tensors and expand them as they run (``plain_modules``), and the blocks are
+    compiled."""
     from diffusers import PixArtTransformer2DModel
 
     if isinstance(weights, TransformerFile):
@@ -314,13 +315,12 @@ def prepare(model, quant: Quantization, device: torch.device, low_vram: bool = F
     model = quant.after_load(model)
     model.eval()
     blocks = model.transformer_blocks
-    expand = fast and quant.plain_modules(blocks) > 0
+    if fast:
+        quant.plain_modules(blocks)
     if low_vram:
-        streaming.stream_blocks(model, blocks, device, expand=expand)
+        streaming.stream_blocks(model, blocks, device)
     else:
         model.to(device)
-        if expand:
-            streaming.expand_blocks(blocks, device)
     if fast:
         compile_blocks(blocks)
     return model
@@ -384,8 +384,8 @@ def sample(
     ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
 
     ``fast`` compiles the transformer's blocks (``torch.compile``; the first image of a process, and of
-    each new size, waits for the compile) and runs their matrix products in ``dtype`` on weights
-    expanded from the quantized ones one block at a time: faster than quanto's kernels, at about the
+    each new size, waits for the compile) with their quantized weights expanded to ``dtype`` inside the
+    compiled code, one weight at a time, for fp16 matrix products: faster than quanto's kernels, at the
     quantized model's memory.
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``source``'s
@@ -477,7 +477,7 @@ def _sample(
     total = steps - schedule.skip
     load = lambda: _load(weights, quant, dtype, device, low_vram, fast)  # noqa: E731
     room = estimates.transformer(
-        quant.scheme, dtype, latents, low_vram, fast
+        quant.scheme, dtype, latents, low_vram
     )  # (weights, work) bytes, for the host
     with cache.use(key, load, keep_loaded, device, *room) as transformer:
         pipe = PixArtSigmaPipeline(

@@ -1,16 +1,10 @@
-"""A model's repeated blocks get their weights in running form just before each runs, and drop them after.
+"""Low-VRAM mode: a model's repeated blocks stay in CPU memory and each goes to the GPU only while it runs.
 
-Two uses of one mechanism (``BlockStreamer``): before block *i* runs, its weights are made ready —
-ahead of time, on a side stream, while block *i − 1* computes — and after it has run the ready copies are
-dropped. The stored tensors are never replaced, so nothing is copied back.
-
-* Low-VRAM mode, ``stream_blocks(model, blocks, device)``: the blocks' weights stay in CPU memory;
-  every other weight of the model goes to ``device`` for good (small: norms, projections, embedders);
-  "ready" means copied to the GPU.
-* The fast sampler path, ``expand=True`` (``expand_blocks`` when the model is on the GPU already):
-  optimum-quanto int8/float8 weights are expanded to the compute dtype (``QTensor.dequantize()``), so the
-  block's matrix products run as plain fp16 ones — compiled, faster than quanto's per-call kernels —
-  while only the blocks in flight hold 16-bit copies.
+``stream_blocks(model, blocks, device)`` leaves the blocks' weights where they are (CPU), puts every
+other weight of the model on ``device`` for good (small: norms, projections, embedders), and hooks each
+block: before block *i* runs its weights are on the GPU — copied ahead of time on a side stream while
+block *i − 1* computed — and after it has run the GPU copies are dropped. The CPU tensors are never
+replaced, so nothing is copied back.
 
 Why not diffusers' group offloading or accelerate's offload hooks: both move a tensor by assigning
 ``param.data``, which carries neither bitsandbytes' ``quant_state`` (the 4-bit absmax beside the
@@ -50,20 +44,10 @@ def _pin(tensor: torch.Tensor) -> None:
         tensor.data = tensor.data.pin_memory()
 
 
-def _expanded(tensor: torch.Tensor) -> torch.Tensor:
-    """An optimum-quanto weight as a plain tensor in its float dtype; any other tensor as it is."""
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
-        return tensor
-    from optimum.quanto import QTensor
-
-    return tensor.dequantize() if isinstance(tensor, QTensor) else tensor
-
-
 class _Block:
-    def __init__(self, module: torch.nn.Module, device: torch.device, expand: bool):
+    def __init__(self, module: torch.nn.Module, device: torch.device):
         self.module = module
         self.device = device
-        self.expand = expand
         self.slots = _slots(module)
         self.originals = [getattr(m, kind)[name] for m, kind, name in self.slots]
         self.ready: torch.cuda.Event | None = None  # set while a prefetch is in flight
@@ -73,13 +57,8 @@ class _Block:
         if self.loaded:
             return
         for (m, kind, name), tensor in zip(self.slots, self.originals, strict=True):
-            ready = tensor
-            if ready.device != self.device:  # (on the CPU itself, a copy would only cost)
-                ready = ready.to(self.device, non_blocking=stream is not None)
-            if self.expand:
-                ready = _expanded(ready)
-            if ready is not tensor:
-                getattr(m, kind)[name] = ready
+            if tensor.device != self.device:  # (on the CPU itself, a copy would only cost)
+                getattr(m, kind)[name] = tensor.to(self.device, non_blocking=stream is not None)
         self.loaded = True
         if stream is not None:
             self.ready = torch.cuda.Event()
@@ -95,11 +74,9 @@ class _Block:
 class BlockStreamer:
     """The hooks and state of one streamed model (the hooks hold it: it lives as long as the model)."""
 
-    def __init__(
-        self, blocks: list[torch.nn.Module], device: torch.device, prefetch: bool, expand: bool = False
-    ):
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, prefetch: bool):
         self.device = device
-        self.blocks = [_Block(block, device, expand) for block in blocks]
+        self.blocks = [_Block(block, device) for block in blocks]
         self.stream = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._before(index))
@@ -134,15 +111,13 @@ def stream_blocks(
     device: torch.device | str,
     keep_on_cpu: Iterable[torch.nn.Module] = (),
     prefetch: bool = True,
-    expand: bool = False,
 ) -> BlockStreamer:
     """Run ``model`` on ``device`` with ``blocks`` streamed from CPU memory (see the module's doc).
 
     ``model`` must be on the CPU. Modules in ``keep_on_cpu`` stay there and run there (their inputs are
     moved to the CPU and their outputs to ``device``): for T5's token embeddings (263 MB in bf16 for
     T5-XXL), a lookup that costs nothing on the CPU. The streamed blocks' CPU weights are page-locked
-    where possible so the copies overlap with compute. ``expand`` also expands quantized weights once on
-    the GPU (the fast sampler path, streamed)."""
+    where possible so the copies overlap with compute."""
     device = torch.device(device)
     blocks = list(blocks)
     keep_on_cpu = list(keep_on_cpu)
@@ -169,11 +144,4 @@ def stream_blocks(
             with_kwargs=True,
         )
         module.register_forward_hook(lambda _m, _args, output: output.to(device))
-    return BlockStreamer(blocks, device, prefetch, expand)
-
-
-def expand_blocks(blocks: Iterable[torch.nn.Module], device: torch.device | str) -> BlockStreamer:
-    """Expand the blocks' quantized weights (on ``device`` already) to their float dtype one block at a
-    time, the next one on a side stream while the current one runs (see the module's doc)."""
-    device = torch.device(device)
-    return BlockStreamer(list(blocks), device, prefetch=True, expand=True)
+    return BlockStreamer(blocks, device, prefetch)

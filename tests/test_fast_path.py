@@ -1,8 +1,9 @@
-"""The fast sampler path (``fast``): quanto weights expanded one block at a time before it runs, blocks
-compiled. On the CPU: the same latents as the quantized model run by quanto (to the rounding of the
-expanded weight), the blocks' quantized layers turned into plain ones holding quanto's weights, at most
-the running and the prefetched block expanded at any moment, one compiled graph for all blocks, and the
-model freed like any other. Speed and memory are the benchmark's (benchmarks/sampler_paths.py)."""
+"""The fast sampler path (``fast``): the blocks' quanto layers hold their int8/float8 weights as plain
+tensors and expand them inside the compiled blocks. On the CPU: the same latents as the quantized model
+run by quanto (to the rounding of the expanded weight), the layers replaced with quanto's own values,
+streaming (low-VRAM) composing with it, two compiled graphs for all blocks, clear errors, and the model
+freed like any other. Speed and memory are the benchmark's (benchmarks/sampler_paths.py); the GPU tier
+compiles with inductor."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import gc
 import pytest
 import torch
 
-from pixart_lowvram.core import sampler, streaming
-from pixart_lowvram.core.quant.quanto import plain_linears
+from pixart_lowvram.core import sampler
+from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, plain_linears
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
 FP32 = {"device": "cpu", "dtype": torch.float32}
@@ -51,47 +52,36 @@ def test_unquantized_fast_path_only_compiles(tiny, reference, no_compile):
     assert no_compile == [tiny.config("transformer")["num_layers"]]
 
 
-def test_quantized_linears_become_plain_ones_holding_quantos_weights():
+@pytest.mark.parametrize("scheme", ["qint8", "qfloat8"])
+def test_quantized_linears_become_plain_ones_holding_quantos_values(scheme):
     from optimum import quanto
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU(), torch.nn.Linear(16, 8, bias=False))
-    quanto.quantize(model, weights=quanto.qint8)
+    quanto.quantize(model, weights=getattr(quanto, scheme))
     quanto.freeze(model)
     x = torch.randn(3, 32)
     expected = model(x)
-    weights = [model[0].weight, model[2].weight]
+    data = [model[0].weight._data, model[2].weight._data]
     assert plain_linears(model) == 2
-    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.GELU, torch.nn.Linear]
-    assert [model[0].weight, model[2].weight] == weights  # the same quanto tensors, not copies
-    assert isinstance(model[0].weight, quanto.QTensor)
-    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # unhooked: quanto's own product
+    assert [type(m) for m in model] == [ScaledWeightLinear, torch.nn.GELU, ScaledWeightLinear]
+    assert [model[0].weight_data, model[2].weight_data] == data  # quanto's own tensors, not copies
+    assert all(type(t) is torch.Tensor for t in model.buffers())  # plain: they move and pin as any other
+    assert model[0].weight_data.dtype == {"qint8": torch.int8, "qfloat8": torch.float8_e4m3fn}[scheme]
+    assert model[2].bias is None
+    # quanto scales the product, the plain layer the weight: the same up to float rounding
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_at_most_two_blocks_are_expanded_at_once(tiny, reference, monkeypatch, no_compile):
-    """Each block runs on expanded weights; the others hold quanto's, so only the running block (and,
-    on a GPU, the prefetched next one) costs 16-bit memory."""
-    from optimum.quanto import QTensor
+def test_a_weight_without_per_row_scales_is_refused():
+    from optimum import quanto
 
-    seen = []
-    original = streaming.BlockStreamer.__init__
-
-    def init(self, blocks, device, prefetch, expand=False):
-        original(self, blocks, device, prefetch, expand)
-        for index, block in enumerate(blocks):
-
-            def spy(module, _args, _index=index, _blocks=blocks):
-                def expanded(b):
-                    return not any(isinstance(p, QTensor) for p in b.parameters())
-
-                seen.append((_index, expanded(module), [i for i, b in enumerate(_blocks) if expanded(b)]))
-
-            block.register_forward_pre_hook(spy)
-
-    monkeypatch.setattr(streaming.BlockStreamer, "__init__", init)
-    sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
-    blocks = tiny.config("transformer")["num_layers"]
-    # on the CPU there is no side stream: exactly the running block is expanded
-    assert seen == [(i, True, [i]) for i in range(blocks)] * 2
+    model = torch.nn.Sequential(torch.nn.Linear(128, 16))
+    quanto.quantize(model, weights=quanto.qint4)
+    quanto.freeze(model)
+    with pytest.raises(
+        TypeError, match=r"0: a .* weight is not a per-row quantized one; the fast path takes qint8"
+    ):
+        plain_linears(model)
 
 
 def test_fast_and_low_vram_together(tiny, reference, no_compile):

@@ -22,8 +22,8 @@ def block_log(monkeypatch):
     log: list[tuple[str, int, list[int]]] = []
     original = streaming.BlockStreamer.__init__
 
-    def init(self, blocks, device, prefetch, expand=False):
-        original(self, blocks, device, prefetch, expand)
+    def init(self, blocks, device, prefetch):
+        original(self, blocks, device, prefetch)
         for index, block in enumerate(blocks):
 
             def spy(_module, _args, _index=index, _streamer=self):

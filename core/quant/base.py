@@ -50,7 +50,8 @@ class QuantBackend(ABC):
 
     def plain_modules(self, module: torch.nn.Module) -> int:
         """Turn the library's quantized layers under ``module`` into plain torch layers that hold the
-        quantized weights (which then expand on demand: ``streaming``); return how many."""
+        quantized weights as plain tensors and expand them in ``forward`` (the fast sampler path, which
+        compiles them); return how many."""
         return 0
 
     def keeps_fp32_modules(self, scheme: str) -> bool:

@@ -34,24 +34,42 @@ class QuantoBackend(QuantBackend):
         return f"quanto {scheme}"
 
 
+class ScaledWeightLinear(torch.nn.Module):
+    """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight_data``
+    (int8 or float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``) — and expanding it to the input's
+    dtype inside ``forward``. Under ``torch.compile`` the expansion fuses into one kernel per weight
+    beside an ordinary fp16 matrix product, where quanto's tensor subclass stops the compiler; plain
+    tensors also move and pin like any other (low-VRAM streaming)."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = data.shape[1], data.shape[0]
+        self.register_buffer("weight_data", data)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight_data.to(input.dtype) * self.weight_scale.to(input.dtype)
+        return torch.nn.functional.linear(input, weight, self.bias)
+
+
 def plain_linears(module: torch.nn.Module) -> int:
-    """Replace every frozen ``QLinear`` under ``module`` by a ``torch.nn.Linear`` holding the same
-    quantized weight and bias; return how many. Unhooked it computes what ``QLinear`` does (quanto's
-    tensor handles ``F.linear``); hooked by ``streaming`` with ``expand`` it runs on the expanded weight,
-    which ``QLinear`` would quantize again."""
-    from optimum.quanto import QTensor
+    """Replace every frozen per-row ``QLinear`` under ``module`` (qint8, qfloat8 weights) by a
+    :class:`ScaledWeightLinear` holding the same quantized values and scales; return how many."""
+    from optimum.quanto import WeightQBytesTensor
     from optimum.quanto.nn import QLinear
 
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, QLinear) and isinstance(child.weight, QTensor):
-                with torch.device("meta"):
-                    plain = torch.nn.Linear(
-                        child.in_features, child.out_features, bias=child.bias is not None
-                    )
-                plain.weight = child.weight
-                plain.bias = child.bias
-                setattr(parent, name, plain)
-                replaced += 1
+            if not isinstance(child, QLinear):
+                continue
+            weight = child.weight
+            if not isinstance(weight, WeightQBytesTensor) or weight._scale.shape != (weight.shape[0], 1):
+                raise TypeError(
+                    f"{name}: a {type(weight).__name__} weight is not a per-row quantized one; the fast path "
+                    "takes qint8 and qfloat8 weights."
+                )
+            setattr(parent, name, ScaledWeightLinear(weight._data, weight._scale, child.bias))
+            replaced += 1
     return replaced
