@@ -247,13 +247,15 @@ class History:
         # When this run's recording began (trace_clock_us): the timeline starts there, and events of an
         # earlier run still in the buffer only set the level it starts from.
         self.started_us: int | None = None
+        self.warned = False
 
     def ensure(self, run_id: str) -> bool:
         """Record from now on for ``run_id``; False when it cannot be recorded (:func:`history_problem`)."""
         problem = history_problem()
         if problem is not None:
-            if problem != NO_CUDA:
+            if problem != NO_CUDA and not self.warned:
                 logger.warning("no allocator history: %s", problem)
+                self.warned = True  # once a process: the Memory Snapshot node says it every prompt
             return False
         if self.run_id != run_id:
             self.started_us = trace_clock_us()

@@ -225,6 +225,11 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
     message = str(info.value)
     assert f"stage {stage} ran out of GPU memory" in message, message
     assert ("tiling" if stage == "vae_decode" else "low_vram") in message and "Free VRAM" in message
-    # The exception is still alive here: it must not hold the model.
+    # The exception is still alive here: it must not hold the model. What it may hold are the sampler's own
+    # few hundred bytes (the scheduler's timesteps on the device, in sample()'s frame: 512 B measured on an
+    # H200), until it is dropped, as ComfyUI drops it once the error is shown.
+    assert torch.cuda.memory_allocated(cuda) - before < 2**20
+    del info
+    gc.collect()
     assert torch.cuda.memory_allocated(cuda) == before
     run(big=False)

@@ -235,6 +235,9 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
     history = memory.History()
     assert history.ensure("prompt-1") is False
     assert "--disable-cuda-malloc" in caplog.text
+    caplog.clear()
+    assert history.ensure("prompt-2") is False
+    assert caplog.text == ""  # said once a process
     monkeypatch.setattr(memory, "history", history)
     report = memory.MemoryReport()
     report.add(StageRecord(stage="sample", device="cuda:0", seconds=1.0, peak_allocated=MiB))
