@@ -119,12 +119,18 @@ def graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-def test_compiled_blocks_give_the_eager_latents(tiny, reference, graphs):
+def test_compiled_blocks_give_the_eager_latents_and_a_reload_compiles_nothing(tiny, reference, graphs):
     options = {**FP32, "quantization": "qint8"}
     eager = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
     compiled = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-    assert graphs
+    traced = len(graphs)
+    assert traced
+    # The next prompt loads the transformer again (keep_loaded off): its blocks reuse the graphs, so
+    # prompts never pile up compiles (torch.compile falls back to eager after 8 per function).
+    again = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    torch.testing.assert_close(again, compiled, rtol=0, atol=0)
+    assert len(graphs) == traced
 
 
 def test_all_blocks_share_their_graphs(tiny, graphs):
