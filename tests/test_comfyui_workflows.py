@@ -261,6 +261,21 @@ def test_core_vae_decode_equals_the_packs(server, tmp_path):
     assert difference.mean() < 2.0 and np.percentile(difference, 99) <= 8, difference.max()
 
 
+def test_fast_sampler_in_comfyui(server, tmp_path):
+    """The sampler's fast option through a real server (inductor on the CPU): the image of the default
+    path, and a next prompt (the transformer loaded again) runs on it too. That a reload compiles nothing
+    is the CPU tier's (test_fast_path.py)."""
+    path, sets = api_file("basic"), [*tiny_sets(api_file("basic")), "--seed=13"]
+    _ids, (plain,) = queue(server, path, tmp_path / "plain", *sets)
+    _ids, (fast,) = queue(server, path, tmp_path / "fast", *sets, "--set=2.fast=true")
+    _ids, (again,) = queue(
+        server, path, tmp_path / "again", *sets, "--set=2.fast=true", "--prompt=a blue house"
+    )
+    difference = np.abs(pixels(fast).astype(int) - pixels(plain).astype(int))
+    assert difference.mean() < 1.0 and difference.max() <= 8, difference.max()
+    assert not np.array_equal(pixels(again), pixels(fast))
+
+
 # ---- what lets several servers share the work ----------------------------------------------------
 
 
