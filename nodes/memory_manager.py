@@ -21,13 +21,19 @@ from ..core.cache import ModelCache
 logger = logging.getLogger(__name__)
 
 
-def _bytes(model: torch.nn.Module) -> int:
-    """The model's parameters and buffers in bytes (4-bit weights count as packed). Not ComfyUI's
-    ``module_size``: that calls ``state_dict()``, and bitsandbytes' state_dict unpacks a 4-bit weight that
-    has run on the CPU in place — the kept model's next run then takes another kernel path and gives
-    slightly different numbers."""
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
+
+
+def _bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """The bytes of the model's parameters and buffers that are on ``device`` (4-bit weights count as
+    packed): all of them for a model kept whole, the resident parts of a streamed one (low-VRAM mode
+    keeps its blocks in CPU memory). Not ComfyUI's ``module_size``: that counts every tensor wherever it
+    is and calls ``state_dict()``, and bitsandbytes' state_dict unpacks a 4-bit weight that has run on
+    the CPU in place — the kept model's next run then takes another kernel path and gives slightly
+    different numbers."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
 
 
 class KeptModel:
@@ -40,14 +46,14 @@ class KeptModel:
         self.cache, self.key, self.model = cache, key, model
         self.load_device = device
         self.offload_device = torch.device("cpu")
-        self.size = _bytes(model)
+        self.size = _bytes(model, device)
         self.unloading = False  # set while ComfyUI's free_memory unloads it (it pops the entry itself)
 
     def model_size(self) -> int:
         return self.size
 
     def loaded_size(self) -> int:
-        return self.size  # kept whole on its device
+        return self.size  # what unloading it gives back on its device
 
     def current_loaded_device(self) -> torch.device:
         return self.load_device

@@ -255,6 +255,18 @@ def test_unload_all_models_drops_kept_models(comfy_mm):
     assert not any(type(e).__name__ == "KeptEntry" for e in comfy_mm.current_loaded_models)
 
 
+def test_a_kept_model_counts_what_is_on_its_device(comfy_mm):
+    """ComfyUI is told what unloading a kept model gives back on its device: all of a model kept whole,
+    only the resident parts of a streamed one (its blocks wait in CPU memory). The meta device stands in
+    for the GPU here."""
+    from pixart_lowvram.nodes import memory_manager
+
+    streamed = torch.nn.Sequential(torch.nn.Linear(256, 256, device="meta"), torch.nn.Linear(256, 256))
+    assert memory_manager._bytes(streamed, torch.device("meta")) == 256 * 257 * 4
+    assert memory_manager._bytes(streamed, torch.device("cpu")) == 256 * 257 * 4
+    assert memory_manager._bytes(torch.nn.Linear(256, 256), torch.device("meta")) == 0
+
+
 def test_room_for_a_core_model_unloads_kept_models_on_its_device(comfy_mm, monkeypatch):
     """free_memory(needed, device), as load_models_gpu calls it for a core model, unloads kept models on
     that device until enough is free (a GPU is simulated: its free memory is what the test says)."""
