@@ -332,7 +332,8 @@ FAST_FIX = "Turn the sampler's fast option off (the same image, quanto's own ker
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:
     """``torch.compile`` each block's forward (the hooks around it stay eager). The blocks share their
-    code, so one compiled graph serves all 28; a new image size compiles once more."""
+    code, so all 28 run on two compiled graphs (the first block's input comes transposed from the patch
+    embedding); a new image size compiles once more."""
     try:
         for block in blocks:
             block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=False)
