@@ -25,14 +25,11 @@ GIB = 2**30
 
 
 def load(folder: Path, quantization: str, device_map):
-    from transformers import T5EncoderModel
-
     from pixart_lowvram.core import text_encoder
     from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, Quantization
 
     quant = Quantization(quantization, torch.device("cuda:0"), TEXT_ENCODER_SCHEMES)
-    model_class = T5EncoderModel if quant.keeps_fp32_modules() else text_encoder._t5_quantizing_every_linear()
-    model = model_class.from_pretrained(
+    model = text_encoder.t5_class(quant).from_pretrained(
         folder / "text_encoder",
         dtype=torch.bfloat16,
         device_map=device_map,

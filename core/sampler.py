@@ -338,12 +338,16 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
         for block in blocks:
             block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=False)
     except Exception as exc:  # the compiler's own imports (a torch build without a working inductor)
-        raise RuntimeError(f"fast: torch.compile cannot run here ({_cause(exc)}). {FAST_FIX}") from exc
+        raise compile_failed(exc) from exc
 
 
-def _cause(exc: BaseException) -> str:
-    exc = getattr(exc, "inner_exception", None) or exc
-    return f"{type(exc).__name__}: {exc}"
+def compile_failed(exc: BaseException) -> RuntimeError:
+    """The error for a torch.compile that cannot run here, at wrapping or at the first call
+    (``BackendCompilerFailed``, whose ``inner_exception`` is the compiler's own)."""
+    cause = getattr(exc, "inner_exception", None) or exc
+    return RuntimeError(
+        f"fast: torch.compile failed on this machine ({type(cause).__name__}: {cause}). {FAST_FIX}"
+    )
 
 
 def sample(
@@ -510,7 +514,5 @@ def _sample(
                 return_dict=False,
             )[0]
         except torch._dynamo.exc.BackendCompilerFailed as exc:  # fast only: nothing else compiles
-            raise RuntimeError(
-                f"fast: torch.compile failed on this machine ({_cause(exc)}). {FAST_FIX}"
-            ) from exc
+            raise compile_failed(exc) from exc
     return latents.float().cpu()

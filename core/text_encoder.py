@@ -44,6 +44,14 @@ class PixArtEmbeds:
         return self.prompt_embeds.shape[0]
 
 
+def t5_class(quant: Quantization) -> type:
+    """The T5 encoder class ``quant`` loads: transformers' own, which keeps T5's ``wo`` projections out of
+    quantization, or one that quantizes every linear layer (:func:`_t5_quantizing_every_linear`)."""
+    from transformers import T5EncoderModel
+
+    return T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
+
+
 @functools.cache
 def _t5_quantizing_every_linear() -> type:
     """T5EncoderModel whose FFN output projections (``wo``, 1.0 B of T5-XXL's 4.8 B parameters) are
@@ -90,9 +98,8 @@ def _load(
     """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache).
     With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to
     ``device`` one at a time (:mod:`streaming`); the token embeddings stay on the CPU."""
-    from transformers import T5EncoderModel
 
-    model_class = T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
+    model_class = t5_class(quant)
     settings = {"scheme": quant.scheme, "dtype": dtype, "class": model_class.__name__}
     if isinstance(weights, T5File):
         origin = weights.path
