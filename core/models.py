@@ -51,6 +51,22 @@ def find_model_folders(roots: Iterable[str | os.PathLike]) -> list[str]:
     return sorted(names, key=str.lower)
 
 
+# Every PixArt-Σ folder's model_index.json names this pipeline class (`_class_name`); a folder lends its
+# components only to a folder of the same class.
+PIPELINE_CLASS = "PixArtSigmaPipeline"
+# Each component's config file, read without its weights.
+CONFIG_FILES = {
+    "tokenizer": "tokenizer_config.json",
+    "text_encoder": "config.json",
+    "transformer": "config.json",
+    "vae": "config.json",
+    "scheduler": "scheduler_config.json",
+}
+WEIGHTED = ("text_encoder", "transformer", "vae")  # the components with .safetensors weights
+TOKENIZER_VOCABULARY = ("tokenizer.json", "spiece.model")  # a T5 tokenizer has one or both
+_LISTED = 6  # model folders named in an error, at most
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """A model the user chose: a local diffusers folder, or a hub id fetched on demand."""
@@ -59,31 +75,143 @@ class ModelSource:
     path: Path | None = None
     hub_id: str | None = None
     searched: tuple[str, ...] = ()
-    # The model that supplies the components this one lacks (a 2K folder's T5, tokenizer and VAE).
+    # The model that supplies the components this one lacks (a 2K folder's T5, tokenizer and VAE): a
+    # complete folder of the same pipeline class beside it (see resolve_model).
     lender: ModelSource | None = None
+    # Where a lender was looked for (the model folder's parent) and, when none was found, each model folder
+    # there with why it cannot lend: what an error about a missing component names.
+    beside: Path | None = None
+    considered: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
         """Identifies the weights for caches and embeddings metadata."""
         return str(self.path) if self.path is not None else f"hub:{self.hub_id}"
 
+    def borrowed(self) -> dict[str, Path]:
+        """Each component this local folder lacks and takes from its lender -> the lender's folder. Only
+        missing components are borrowed: a folder with its own vae/ keeps it. Empty for a complete folder,
+        for one with no lender beside it, and for a hub id (what a hub repository lacks is known only once
+        it is downloaded; :meth:`borrowing_note` names the published 512 and 2K ones' lender)."""
+        if self.path is None or self.lender is None or self.lender.path is None:
+            return {}
+        return {component: self.lender.path for component in BORROWED if not (self.path / component).is_dir()}
+
+    def borrowing_note(self) -> str | None:
+        """One line saying which components come from another model and from where; None when none do.
+        :func:`resolve_model` logs it as a warning."""
+        if self.path is None:
+            if self.lender is None or self.name not in HUB_IDS:
+                return None
+            parts = ", ".join(f"{component}/" for component in BORROWED)
+            return f"model {self.name!r} has no {parts} on the hub: they come from the hub model {self.lender.name}"
+        borrowed = self.borrowed()
+        if not borrowed:
+            return None
+        parts = ", ".join(f"{component}/" for component in borrowed)
+        they = "they come" if len(borrowed) > 1 else "it comes"
+        return f"model {self.name!r} has no {parts}: {they} from {self.lender.path}"
+
     def folder(self, components: Sequence[str]) -> Path:
         """The local folder holding ``components``, downloading them first for a hub id."""
         folder = self.path if self.path is not None else self._download(components)
         missing = [component for component in components if not (folder / component).is_dir()]
-        if missing and self.lender is not None and not set(missing) - set(BORROWED):
+        if not missing:
+            return folder
+        if self.lender is not None and set(missing) <= set(BORROWED):
+            if len(missing) < len(components):
+                raise ValueError(
+                    f"model {self.name!r}: {', '.join(components)} are not in one folder ({', '.join(missing)} "
+                    f"come from {self.lender.path or self.lender.name}); ask for them one at a time."
+                )
             return self.lender.folder(components)
-        if missing:
-            borrow = (
-                f" A folder without {', '.join(BORROWED)} borrows them from a complete PixArt-Σ 1024 folder "
-                f"in the same model folders, and none was found ({', '.join(self.searched) or 'none searched'})."
-                if set(missing) <= set(BORROWED)
-                else ""
+        raise FileNotFoundError(self._missing_message(folder, missing))
+
+    def check_complete(self, components: Sequence[str] = COMPONENTS) -> None:
+        """Check, before anything loads, that each of ``components`` is there (in this folder, or lent by
+        the complete folder beside it) with its config file, the tokenizer with its vocabulary, and
+        text_encoder, transformer and vae with readable .safetensors weights (headers only:
+        :func:`check_weights`). Reads only small files and loads no model. Raises FileNotFoundError (a
+        missing folder, config or weights) or ValueError (an unreadable config, damaged weights) that says
+        what is missing, in which folder, and what to do. Pass only what the run needs (no text_encoder/
+        when a single-file T5 replaces it, no vae/ with a vae_file …).
+
+        A hub id is not checked: its files are downloaded per component when a stage first needs them,
+        and this check never downloads; it returns at once."""
+        unknown = [component for component in components if component not in CONFIG_FILES]
+        if unknown:
+            raise ValueError(
+                f"unknown model component {unknown[0]!r}; the components are {', '.join(COMPONENTS)}."
             )
+        if self.path is None:
+            return
+        if not (self.path / MODEL_INDEX).is_file():
             raise FileNotFoundError(
-                f"model {self.name!r}: folder {folder} has no {missing[0]}/ subfolder.{borrow} {LAYOUT_HINT}"
+                f"model {self.name!r}: folder {self.path} has no {MODEL_INDEX}. {LAYOUT_HINT}"
             )
-        return folder
+        lent = self.borrowed()
+        missing = [c for c in components if not (self.path / c).is_dir() and c not in lent]
+        if missing:
+            raise FileNotFoundError(self._missing_message(self.path, missing))
+        for component in components:
+            folder = lent.get(component, self.path) / component
+            origin = f" (lent by {lent[component]})" if component in lent else ""
+            config = folder / CONFIG_FILES[component]
+            if not config.is_file():
+                raise FileNotFoundError(
+                    f"model {self.name!r}: {folder}{origin} has no {CONFIG_FILES[component]}: the {component}/ "
+                    f"folder is incomplete. Copy it again from the model's download. {LAYOUT_HINT}"
+                )
+            try:
+                json.loads(config.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"model {self.name!r}: cannot read {config}{origin}: {exc}. The file is damaged or its "
+                    f"download is incomplete: download it (or the model) again."
+                ) from exc
+            if component == "tokenizer" and not any((folder / f).is_file() for f in TOKENIZER_VOCABULARY):
+                raise FileNotFoundError(
+                    f"model {self.name!r}: {folder}{origin} has neither {' nor '.join(TOKENIZER_VOCABULARY)}: "
+                    f"the tokenizer/ folder is incomplete. Copy it again from the model's download. {LAYOUT_HINT}"
+                )
+            if component in WEIGHTED:
+                check_weights(folder, self.name)
+
+    def _missing_message(self, folder: Path, missing: Sequence[str]) -> str:
+        names = ", ".join(f"{component}/" for component in missing)
+        head = (
+            f"model {self.name!r}: folder {folder} has no {names} subfolder{'s' if len(missing) > 1 else ''}."
+        )
+        own = [component for component in missing if component not in BORROWED]
+        if own:
+            fix = (
+                f" Only {', '.join(BORROWED)} can come from another folder; {', '.join(own)} must be in the "
+                f"model's own folder: copy the model again."
+            )
+        elif self.path is not None:
+            fix = " " + self._no_lender_text()
+        else:
+            fix = ""
+        return f"{head}{fix} {LAYOUT_HINT}"
+
+    def _no_lender_text(self) -> str:
+        beside, considered = self.beside, self.considered
+        if beside is None:  # not made by resolve_model
+            beside = self.path.parent
+            considered = _find_lender(self.path, beside, self.searched)[1]
+        family = _pipeline_class(self.path) or PIPELINE_CLASS
+        if considered:
+            more = len(considered) - _LISTED
+            listed = "; ".join(considered[:_LISTED]) + (f"; and {more} more" if more > 0 else "")
+            found = f"none of the model folders there can lend: {listed}"
+        else:
+            found = "there is no other model folder there"
+        return (
+            f"A folder without {', '.join(BORROWED)} borrows them from a complete PixArt-Σ 1024 folder beside it "
+            f"(a {family} by its {MODEL_INDEX}, with {', '.join(f'{c}/' for c in BORROWED)} and their configs) "
+            f"in {beside}, and {found}. Put this folder beside a complete one (e.g. a copy of {HUB_1024}), "
+            f"or copy the missing subfolders into it."
+        )
 
     @property
     def native_size(self) -> int:
@@ -92,7 +220,7 @@ class ModelSource:
 
     def config(self, component: str) -> dict:
         """A component's config.json (small; read without loading weights)."""
-        name = "scheduler_config.json" if component == "scheduler" else "config.json"
+        name = CONFIG_FILES.get(component, "config.json")
         path = self.folder([component]) / component / name
         try:
             return json.loads(path.read_text())
@@ -108,13 +236,17 @@ class ModelSource:
             ignore = [f"*{suffix}" for suffix in PICKLE_SUFFIXES]
             return Path(snapshot_download(self.hub_id, allow_patterns=patterns, ignore_patterns=ignore))
         except Exception as exc:
-            where = ", ".join(self.searched) or "(no model folders configured)"
+            repo = self.hub_id.split("/")[-1]
+            if self.searched:  # a host with model folders (ComfyUI's models/diffusers)
+                where = f"the Hugging Face cache and the model folders {', '.join(self.searched)}"
+                copy = f"copy the repository into one of those folders, e.g. {Path(self.searched[0]) / repo}"
+            else:  # a path or hub id given directly (the command line)
+                where = "the Hugging Face cache"
+                copy = f"copy the repository to a folder (e.g. ./{repo}) and give that folder's path"
             raise FileNotFoundError(
                 f"model {self.hub_id!r} is not on this machine and could not be downloaded ({type(exc).__name__}: "
-                f"{exc}). Searched the Hugging Face cache and the model folders: {where}. Either go online "
-                f"(and leave HF_HUB_OFFLINE unset), or copy the repository into one of those folders, e.g. "
-                f"{Path(self.searched[0]) / self.hub_id.split('/')[-1] if self.searched else 'models/diffusers/'}"
-                f" with model_index.json at its top."
+                f"{exc}). Searched {where}. Either go online (and leave HF_HUB_OFFLINE unset), or {copy} "
+                f"with model_index.json at its top."
             ) from exc
 
 
@@ -157,7 +289,16 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSource:
-    """Turn what the user picked into a :class:`ModelSource`, or raise an error that says where to look."""
+    """Turn what the user picked into a :class:`ModelSource`, or raise an error that says where to look.
+    ``roots`` (ComfyUI's models/diffusers folders) are where a name is looked up.
+
+    A folder that lacks tokenizer/, text_encoder/ or vae/ borrows the ones it lacks (only those) from a
+    lender: a complete folder (model_index.json, and tokenizer/, text_encoder/, vae/ each with its config)
+    of the same pipeline class (model_index.json's ``_class_name``; PixArtSigmaPipeline when the borrower's
+    names none) that sits beside it: a sibling, a folder with the same parent as the model's folder as it
+    was named (symlinks not resolved). Nothing below a sibling, elsewhere in the roots or higher up is
+    searched. A 1024 lender (transformer sample_size 128) comes first, then by name. What is borrowed, and
+    from where, is logged as a warning (:meth:`ModelSource.borrowing_note`)."""
     roots = [Path(r) for r in roots]
     searched = tuple(str(r) for r in roots)
     if not name or not name.strip():
@@ -168,51 +309,98 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
         candidates += [root / name.split("/")[-1] for root in roots]
     if not Path(name).is_absolute():
         candidates.append(Path(name))
+    source = None
     for folder in candidates:
         if folder.is_dir():
             if not (folder / MODEL_INDEX).is_file():
                 raise FileNotFoundError(
                     f"model {name!r}: folder {folder} has no {MODEL_INDEX}. {LAYOUT_HINT}"
                 )
+            beside = Path(os.path.abspath(folder)).parent
             folder = folder.resolve()
-            return ModelSource(name, folder, searched=searched, lender=_lender(folder, roots, searched))
-    if name in HUB_IDS or _looks_like_hub_id(name):
+            lender, considered = _find_lender(folder, beside, searched)
+            source = ModelSource(
+                name, folder, searched=searched, lender=lender, beside=beside, considered=considered
+            )
+            break
+    if source is None and (name in HUB_IDS or _looks_like_hub_id(name)):
         lender = ModelSource(HUB_1024, hub_id=HUB_1024, searched=searched) if name != HUB_1024 else None
-        return ModelSource(name=name, hub_id=name, searched=searched, lender=lender)
-    raise FileNotFoundError(
-        f"model {name!r} was not found. Searched: {', '.join(searched) or '(no model folders given)'}. "
-        f"Put the model's folder under one of them, or give a folder path or the hub id {HUB_IDS[0]!r}. "
-        f"{LAYOUT_HINT}"
-    )
+        source = ModelSource(name=name, hub_id=name, searched=searched, lender=lender)
+    if source is None:
+        where = (
+            f"Searched: {', '.join(searched)}. Put the model's folder under one of them, or give"
+            if searched
+            else "There is no folder at that path (relative paths start at the current folder). Give"
+        )
+        raise FileNotFoundError(
+            f"model {name!r} was not found. {where} a folder path or the hub id {HUB_IDS[0]!r}. {LAYOUT_HINT}"
+        )
+    note = source.borrowing_note()
+    if note is not None:
+        logger.warning(note)
+    return source
 
 
-def _is_complete(folder: Path) -> bool:
-    return all((folder / component).is_dir() for component in BORROWED)
+def _pipeline_class(folder: Path) -> str | None:
+    """model_index.json's ``_class_name``, or None when it has none (or cannot be read)."""
+    try:
+        index = json.loads((folder / MODEL_INDEX).read_text())
+    except (OSError, ValueError):
+        return None
+    found = index.get("_class_name") if isinstance(index, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def _cannot_lend(folder: Path, family: str) -> str | None:
+    """Why ``folder`` cannot lend to a folder of pipeline class ``family``; None when it can."""
+    found = _pipeline_class(folder)
+    if found != family:
+        return f"a {found}, not a {family}" if found else f"its {MODEL_INDEX} names no {family}"
+    for component in BORROWED:
+        if not (folder / component).is_dir():
+            return f"no {component}/"
+        if not (folder / component / CONFIG_FILES[component]).is_file():
+            return f"no {component}/{CONFIG_FILES[component]}"
+    return None
 
 
 def _sample_size(folder: Path) -> int | None:
     try:
         return json.loads((folder / "transformer" / "config.json").read_text()).get("sample_size")
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return None
 
 
-def _lender(folder: Path, roots: Sequence[Path], searched: tuple[str, ...]) -> ModelSource | None:
-    """For a folder without T5, tokenizer or VAE (the 2K model, often the 512 one): the complete model
-    folder to take them from, a 1024 one first (what the 2K model's users pair it with)."""
-    if _is_complete(folder):
-        return None
-    candidates = {
-        (root / name).resolve()
-        for root in [*roots, folder.parent]
-        for name in find_model_folders([root])
-        if (root / name).resolve() != folder and _is_complete(root / name)
-    }
-    if not candidates:
-        return None
-    lender = min(candidates, key=lambda path: (_sample_size(path) != NATIVE_1024, str(path).lower()))
-    logger.info("model %s has no %s; they come from %s", folder.name, "/".join(BORROWED), lender)
-    return ModelSource(name=lender.name, path=lender, searched=searched)
+def _find_lender(
+    folder: Path, beside: Path, searched: tuple[str, ...]
+) -> tuple[ModelSource | None, tuple[str, ...]]:
+    """For a folder without T5, tokenizer or VAE (the 2K model, often the 512 one): the complete folder of
+    its pipeline class among its siblings in ``beside`` to take them from, a 1024 one first (what the 2K
+    model's users pair it with); and, when there is none, each sibling model folder with why it cannot
+    lend. Siblings' subfolders are not searched."""
+    if all((folder / component).is_dir() for component in BORROWED):
+        return None, ()
+    family = _pipeline_class(folder) or PIPELINE_CLASS
+    try:
+        siblings = sorted(beside.iterdir(), key=lambda path: path.name.lower())
+    except OSError:
+        siblings = []
+    lenders, refused = [], []
+    for sibling in siblings:
+        if sibling.name.startswith(".") or not (sibling / MODEL_INDEX).is_file():
+            continue
+        resolved = sibling.resolve()
+        if resolved == folder:
+            continue
+        why = _cannot_lend(sibling, family)
+        if why is None:
+            lenders.append((sibling.name, resolved))
+        else:
+            refused.append(f"{sibling.name} ({why})")
+    if not lenders:
+        return None, tuple(refused)
+    _name, lender = min(lenders, key=lambda item: (_sample_size(item[1]) != NATIVE_1024, item[0].lower()))
+    return ModelSource(name=lender.name, path=lender, searched=searched), ()
 
 
 T5_FILE_HINT = (
