@@ -5,6 +5,11 @@ and the settings (scheme, dtype, library versions): when either changes, the key
 entry is rebuilt. Entries are written beside their final place and renamed into it (atomic), hold
 safetensors and JSON only (nothing is unpickled), and an entry that fails to load is deleted and
 rebuilt.
+
+Each entry also holds ``source.json``: what it was made from (the component, the source path, the
+settings, the library versions, when), written into the entry before it is renamed into place, so an
+entry has it from the moment it exists. :func:`describe` turns it into one line for listings; entries
+made before it existed have none, and still load.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +30,12 @@ logger = logging.getLogger(__name__)
 
 ENV = "PIXART_LOWVRAM_QUANT_CACHE"
 LIBRARIES = ("torch", "transformers", "diffusers", "bitsandbytes", "optimum-quanto")
+SOURCE_FILE = "source.json"
+UNKNOWN_SOURCE = "(made by an older version: source unknown)"
 T = TypeVar("T")
+
+# What each entry folder handed out by entry() is made from, for load_or_build to write beside the weights.
+_sources: dict[Path, dict] = {}
 
 
 def default_dir() -> Path:
@@ -45,19 +56,30 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def entry(root: Path, component: str, source: Path, settings: dict) -> Path:
-    """The entry folder for ``component``'s weights under ``source`` (a folder, or a single weights
-    file) quantized with ``settings``."""
+def _digest(component: str, source: Path, settings: dict, versions: dict[str, str]) -> str:
     base, files = (source.parent, [source]) if source.is_file() else (source, sorted(source.rglob("*")))
     files = [p for p in files if p.is_file()]
     fingerprint = {
         "component": component,
         "files": [(p.relative_to(base).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         "settings": {k: str(v) for k, v in sorted(settings.items())},
-        "versions": _versions(),
+        "versions": versions,
     }
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
-    return root / f"{component}-{digest}"
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def entry(root: Path, component: str, source: Path, settings: dict) -> Path:
+    """The entry folder for ``component``'s weights under ``source`` (a folder, or a single weights
+    file) quantized with ``settings``."""
+    versions = _versions()
+    folder = root / f"{component}-{_digest(component, source, settings, versions)}"
+    _sources[folder] = {
+        "component": component,
+        "source": str(Path(source).absolute()),
+        "settings": {k: str(v) for k, v in sorted(settings.items())},
+        "versions": versions,
+    }
+    return folder
 
 
 def load_or_build(
@@ -78,6 +100,9 @@ def load_or_build(
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".partial", dir=folder.parent))
     try:
         save(model, staging)
+        if folder in _sources:  # written before the rename, so the entry never exists without it
+            record = {**_sources[folder], "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            (staging / SOURCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         if folder.exists():  # another process finished first; keep theirs
             shutil.rmtree(staging)
         else:
@@ -94,7 +119,43 @@ def size(entry: Path) -> int:
 
 
 def entries(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("*-*") if p.is_dir()) if root.is_dir() else []
+    """The entries under ``root`` (not the leftovers of writes in progress or interrupted)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("*-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def source_of(entry: Path) -> dict | None:
+    """What ``entry`` was made from (its ``source.json``: component, source, settings, versions,
+    created), or None for an entry made before entries recorded it, or whose record is unreadable."""
+    try:
+        record = json.loads((entry / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def describe(entry: Path) -> str:
+    """One line for listings: the component, the source it was made from and the scheme, e.g.
+    ``text_encoder from /models/PixArt-Sigma/text_encoder, nf4, made 2025-12-01``, marked when the
+    source is gone or has changed since (the entry is then no longer used, and can be deleted)."""
+    record = source_of(entry)
+    if record is None:
+        return f"{entry.name.rsplit('-', 1)[0]} {UNKNOWN_SOURCE}"
+    component = record.get("component") or entry.name.rsplit("-", 1)[0]
+    source = Path(str(record.get("source", "?")))
+    settings = record.get("settings") if isinstance(record.get("settings"), dict) else {}
+    line = f"{component} from {source}, {settings.get('scheme', 'scheme unknown')}"
+    if record.get("created"):
+        line += f", made {str(record['created'])[:10]}"
+    try:
+        if not source.exists():
+            line += " (source gone: unused)"
+        elif _digest(component, source, settings, _versions()) != entry.name.rsplit("-", 1)[-1]:
+            line += " (stale: the source or the libraries changed since; unused)"
+    except OSError:
+        pass
+    return line
 
 
 def clear(root: Path) -> int:
