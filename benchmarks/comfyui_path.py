@@ -222,15 +222,14 @@ def reference_embeds(model_dir: Path, comfyui: Path, device: str, out: Path) -> 
         folder.mkdir(parents=True)
         for name in (MODEL_INDEX, "text_encoder"):
             (folder / name).symlink_to((model_dir / name).resolve())
-        embeds = text_encoder.encode(
+        settings = text_encoder.EncoderSettings(
             resolve_model(str(folder)),
-            PROMPT,
-            "",
             quantization="none",
             device=device,
-            dtype=torch.bfloat16,
+            precision=torch.bfloat16,
             tokenizer_fallback=comfyui / "comfy" / "text_encoders" / "t5_tokenizer",
         )
+        embeds = text_encoder.encode(settings, PROMPT, "")
     positive, negative = core_conditioning(embeds)
     torch.save({"embeds": positive[0][0], "negative_embeds": negative[0][0]}, out)
 

@@ -26,17 +26,17 @@ GIB = 2**30
 
 def load(folder: Path, quantization: str, device_map):
     from pixart_lowvram.core import text_encoder
-    from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, Quantization
+    from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, choose
 
-    quant = Quantization(quantization, torch.device("cuda:0"), TEXT_ENCODER_SCHEMES)
-    model = text_encoder.t5_class(quant).from_pretrained(
+    scheme = choose(quantization, TEXT_ENCODER_SCHEMES, torch.device("cuda:0"))
+    model = text_encoder.t5_class(scheme).from_pretrained(
         folder / "text_encoder",
         dtype=torch.bfloat16,
         device_map=device_map,
         use_safetensors=True,
-        **quant.load_kwargs(torch.bfloat16),
+        **scheme.load_kwargs(torch.bfloat16),
     )
-    return quant.after_load(model).eval()
+    return scheme.after_load(model).eval()
 
 
 def run(folder: Path, quantization: str, placement: str) -> dict:

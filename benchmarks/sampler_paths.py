@@ -81,12 +81,12 @@ def pack_prepare(model: torch.nn.Module, scheme: str, how: str) -> torch.nn.Modu
     """The pack's own loading after from_pretrained (core/sampler.py prepare): the fast path, or its plain
     quantized layers without the compile."""
     from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, Quantization
+    from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, choose
 
     if how == "eager":
         sampler.compile_blocks = lambda blocks: None
     cuda = torch.device("cuda")
-    return sampler.prepare(model, Quantization(scheme, cuda, TRANSFORMER_SCHEMES), cuda, fast=True)
+    return sampler.prepare(model, choose(scheme, TRANSFORMER_SCHEMES, cuda), cuda, fast=True)
 
 
 def run_one(model_dir: str, name: str, out: Path) -> None:

@@ -69,27 +69,21 @@ def run_one(model_dir: str, config: dict, out: Path) -> None:
     low_vram = config.get("low_vram", False)
     start = time.perf_counter()
     cache_dir = out.parent / "quant_cache" if config["cache"] == "on" else None
-    embeds = text_encoder.encode(
-        source,
-        PROMPT,
-        "",
-        quantization=config["t5"],
-        device="cuda",
-        quant_cache_dir=cache_dir,
-        report=report,
-        low_vram=low_vram,
+    encoder = text_encoder.EncoderSettings(
+        source, quantization=config["t5"], device="cuda", quant_cache=cache_dir, low_vram=low_vram
     )
-    latents = sampler.sample(
+    embeds = text_encoder.encode(encoder, PROMPT, "", report=report)
+    transformer = sampler.SamplerSettings(
         source,
-        embeds,
         quantization=config["weights"],
         device="cuda",
-        report=report,
         low_vram=low_vram,
         fast=config.get("fast", False),
         **SETTINGS,
     )
-    images = vae.decode(source, latents, device="cuda", tiling=config["tiling"], report=report)
+    latents = sampler.sample(transformer, embeds, report=report)
+    decoder = vae.DecoderSettings(source, device="cuda", tiling=config["tiling"])
+    images = vae.decode(decoder, latents, report=report)
     seconds = time.perf_counter() - start
     torch.save({"embeds": embeds.prompt_embeds, "latents": latents, "images": images}, out.with_suffix(".pt"))
     out.with_suffix(".json").write_text(json.dumps({**report.to_dict(), "seconds": seconds}))

@@ -12,10 +12,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import memory, outputs, quant_cache, random_model, sampler, text_encoder, vae
+from . import (
+    contract,
+    memory,
+    outputs,
+    quant,
+    quant_cache,
+    random_model,
+    sampler,
+    schedulers,
+    text_encoder,
+    timeline,
+    vae,
+)
 from .devices import PRECISIONS, as_device
-from .models import HUB_IDS, resolve_model
-from .quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES, Quantization
+from .models import HUB_IDS, ModelSource, resolve_model
+from .quant.bitsandbytes import quiet_optional_kernel_notice
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +42,43 @@ def default_home() -> Path:
     return Path(base)
 
 
-def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--negative", default="", help="negative prompt")
-    p.add_argument("--width", type=int, default=size, help="pixels, a multiple of 16 (default: the model's)")
-    p.add_argument("--height", type=int, default=size, help="pixels, a multiple of 16 (default: the model's)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--cfg", type=float, default=4.5)
-    p.add_argument("--scheduler", choices=sampler.SCHEDULERS, default=sampler.DEFAULT_SCHEDULER)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--t5-quant", choices=TEXT_ENCODER_SCHEMES, default=TEXT_ENCODER_SCHEMES[0])
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """The options of demo and generate: each named as the node input it matches."""
+    p.add_argument("--prompt", default=DEMO_PROMPT, help="what the image shows")
     p.add_argument(
-        "--quant", choices=TRANSFORMER_SCHEMES, default=TRANSFORMER_SCHEMES[0], help="transformer weights"
+        "--negative-prompt", "--negative", default="", help="what to steer away from (`--negative` before)"
+    )
+    p.add_argument(
+        "--resolution",
+        default=sampler.CUSTOM_RESOLUTION,
+        metavar="{custom,native,PRESET}",
+        help="custom: --width and --height (each the model's size when left out); native: a square of the "
+        "model's size; or a preset such as '1024: 1024×1024 (1:1)'",
+    )
+    size = f"pixels, a multiple of {contract.SIZE_MULTIPLE} in {contract.MIN_SIZE}..{contract.MAX_SIZE}"
+    p.add_argument("--width", type=int, default=None, help=f"{size} (default: the model's size)")
+    p.add_argument("--height", type=int, default=None, help=f"{size} (default: the model's size)")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps")
+    p.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale")
+    p.add_argument(
+        "--scheduler", choices=schedulers.SCHEDULERS, default=schedulers.DEFAULT_SCHEDULER, help="sampler"
+    )
+    p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on any device)")
+    p.add_argument("--batch-size", type=int, default=1, help="images per prompt")
+    # `--t5-quant` and `--quant` are the names of earlier versions.
+    p.add_argument(
+        "--t5-quantization",
+        "--t5-quant",
+        choices=list(quant.TEXT_ENCODER_SCHEMES),
+        default=text_encoder.DEFAULT_QUANTIZATION,
+        help="T5's weights. " + quant.tooltip(quant.TEXT_ENCODER_SCHEMES),
+    )
+    p.add_argument(
+        "--quantization",
+        "--quant",
+        choices=list(quant.TRANSFORMER_SCHEMES),
+        default=sampler.DEFAULT_QUANTIZATION,
+        help="the transformer's weights. " + quant.tooltip(quant.TRANSFORMER_SCHEMES),
     )
     p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
     p.add_argument(
@@ -61,8 +97,13 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
         action="store_true",
         help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
     )
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present)")
-    p.add_argument("--out", type=Path, default=Path("out"), help="folder for the PNG and the memory report")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out"),
+        help="folder for the PNG and the memory report (made if missing)",
+    )
     p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
     p.add_argument("--no-snapshot", action="store_true", help="do not record the CUDA allocator history")
     p.add_argument(
@@ -76,10 +117,15 @@ def _add_run_args(p: argparse.ArgumentParser, size: int | None) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pixart_lowvram", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage and what it loads")
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
     demo = sub.add_parser(
-        "demo", help="run the pipeline offline on a random-weight model built once and cached"
+        "demo",
+        help="run the pipeline offline on a random-weight model built once and cached",
+        description="The whole pipeline offline on a PixArt-Σ with random weights, built once: the image is "
+        "noise. It shows that the stages, the memory report and the files work, not image quality.",
+        **defaults,
     )
     demo.add_argument(
         "--preset",
@@ -93,17 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where the random model is cached (default: $PIXART_LOWVRAM_HOME/random-PRESET)",
     )
-    _add_run_args(demo, size=None)
-    cache_cmd = sub.add_parser("cache", help="show (or clear) the pre-quantized weight cache")
+    _add_run_args(demo)
+    cache_cmd = sub.add_parser("cache", help="show (or clear) the pre-quantized weight cache", **defaults)
     cache_cmd.add_argument("--dir", type=Path, default=None, help="the cache folder (default: as for demo)")
     cache_cmd.add_argument("--clear", action="store_true", help="delete every entry")
-    gen = sub.add_parser("generate", help="generate with real weights")
+    gen = sub.add_parser("generate", help="generate with real weights", **defaults)
     gen.add_argument(
         "--model", required=True, help=f"a diffusers PixArt-Σ folder or a hub id, e.g. {HUB_IDS[0]}"
     )
-    _add_run_args(gen, size=None)
+    _add_run_args(gen)
     q = sub.add_parser(
-        "queue", help="run an API-format workflow on a running ComfyUI and download its images"
+        "queue", help="run an API-format workflow on a running ComfyUI and download its images", **defaults
     )
     q.add_argument("workflow", type=Path, help="an API-format workflow (e.g. workflows/api/*_api.json)")
     q.add_argument(
@@ -140,61 +186,70 @@ def queue_workflow(args: argparse.Namespace) -> None:
             print(f"  {path}")
 
 
+def stage_settings(args: argparse.Namespace, source: ModelSource):
+    """The three stages' settings from the command line, each checked as it is made (before any model
+    loads). Low-VRAM mode also decodes in tiles."""
+    cache_dir = None if args.no_quant_cache else args.quant_cache or quant_cache.default_dir()
+    encoding = text_encoder.EncoderSettings(
+        source,
+        quantization=args.t5_quantization,
+        device=args.device,
+        low_vram=args.low_vram,
+        quant_cache=cache_dir,
+    )
+    sampling = sampler.SamplerSettings(
+        source,
+        width=args.width,
+        height=args.height,
+        resolution=args.resolution,
+        steps=args.steps,
+        cfg=args.cfg,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        scheduler=args.scheduler,
+        quantization=args.quantization,
+        device=encoding.device,
+        precision=args.precision,
+        low_vram=args.low_vram,
+        fast=args.fast,
+    )
+    decoding = vae.DecoderSettings(
+        source,
+        device=encoding.device,
+        precision=args.precision,
+        tiling="on" if args.low_vram else args.tiling,
+    )
+    return encoding, sampling, decoding
+
+
 def run(args: argparse.Namespace, model: str) -> dict:
     """encode -> sample -> decode, each stage freeing its model; write PNG, report and snapshot."""
-    source = resolve_model(model)
-    device = as_device(args.device)
-    sample_size = source.config("transformer").get("sample_size", 128) * 8
-    width, height = args.width or sample_size, args.height or sample_size
-    # Every setting is checked before the first model loads.
-    sampler.check_settings(width, height, args.steps, args.cfg, args.seed, args.batch_size, args.scheduler)
-    outputs.check_prefix(args.prefix, "--prefix")
-    Quantization(args.t5_quant, device, TEXT_ENCODER_SCHEMES)
-    Quantization(args.quant, device, TRANSFORMER_SCHEMES)
+    # Every setting is checked before the first model loads (the output folder and prefix in main).
+    encoding, sampling, decoding = stage_settings(args, resolve_model(model))
+    device = encoding.device
     report = memory.MemoryReport()
     if not args.no_snapshot and device.type == "cuda":
         memory.history.ensure("cli")
     start = time.perf_counter()
-    cache_dir = None if args.no_quant_cache else args.quant_cache or quant_cache.default_dir()
-    embeds = text_encoder.encode(
-        source,
-        args.prompt,
-        args.negative,
-        quantization=args.t5_quant,
-        device=device,
-        quant_cache_dir=cache_dir,
-        report=report,
-        low_vram=args.low_vram,
-    )
-    with tqdm(total=args.steps, desc="sampling", unit="step") as bar:
+    embeds = text_encoder.encode(encoding, args.prompt, args.negative_prompt, report=report)
+    with tqdm(total=sampling.steps, desc="sampling", unit="step") as bar:
         latents = sampler.sample(
-            source,
+            sampling,
             embeds,
-            width=width,
-            height=height,
-            steps=args.steps,
-            cfg=args.cfg,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            quantization=args.quant,
-            scheduler=args.scheduler,
-            device=device,
-            dtype=args.precision,
-            on_step=lambda step, total, _latents: bar.update(step - bar.n),
             report=report,
-            low_vram=args.low_vram,
-            fast=args.fast,
+            on_progress=lambda step, _total, _latents: bar.update(step - bar.n),
         )
-    tiling = "on" if args.low_vram else args.tiling
-    images = vae.decode(source, latents, device=device, dtype=args.precision, tiling=tiling, report=report)
+    images = vae.decode(decoding, latents, report=report)
     seconds = time.perf_counter() - start
 
     stem = outputs.next_stem(args.out, args.prefix)
     written = outputs.save_png(images, stem)
     # The memory report beside the images, as Memory Snapshot writes it: table, timeline, snapshot.
-    written += memory.write_report(report, stem.with_name(stem.name + "_memory")).files
+    written += timeline.write_report(report, stem.with_name(stem.name + "_memory")).files
     print(report.markdown())
-    print(f"\n{len(images)} image(s) {width}x{height} in {seconds:.2f} s on {device}; wrote:")
+    print(
+        f"\n{len(images)} image(s) {sampling.width}x{sampling.height} in {seconds:.2f} s on {device}; wrote:"
+    )
     for path in written:
         print(f"  {path}")
     if any(path.suffix == ".pickle" for path in written):
@@ -206,7 +261,9 @@ def show_cache(folder: Path, clear: bool) -> None:
     entries = quant_cache.entries(folder)
     print(f"pre-quantized weight cache: {folder} ({len(entries)} entries)")
     for entry in entries:
-        print(f"  {entry.name}  {memory.format_bytes(quant_cache.size(entry))}")
+        print(
+            f"  {entry.name}  {memory.format_bytes(quant_cache.size(entry))}  {quant_cache.describe(entry)}"
+        )
     if clear:
         print(f"cleared {memory.format_bytes(quant_cache.clear(folder))}")
 
@@ -216,16 +273,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
+    quiet_optional_kernel_notice()
     try:
         if args.command == "queue":
             queue_workflow(args)
         elif args.command == "cache":
             show_cache(args.dir or quant_cache.default_dir(), args.clear)
-        elif args.command == "demo":
+        if args.command in ("demo", "generate"):
+            # Refused before any model is built or loaded; nothing is made until an image is written.
+            outputs.check_folder(args.out, "--out")
+            outputs.check_prefix(args.prefix, "--prefix")
+        if args.command == "demo":
             folder = args.model_dir or default_home() / f"random-{args.preset}"
-            device = as_device(args.device)
+            device = as_device(args.device)  # refused here, before the model is built, when it is not present
             if not (folder / "model_index.json").is_file():
-                print(f"building a random {args.preset} PixArt-Σ model in {folder} (once) …", file=sys.stderr)
+                size = " (about 321 MB: its VAE is the full-size SDXL VAE)" if args.preset == "tiny" else ""
+                print(
+                    f"building a random {args.preset} PixArt-Σ model in {folder}{size}, once …",
+                    file=sys.stderr,
+                )
             # The full preset is built on the GPU in bf16 (fast); the tiny one in fp32 on the CPU.
             tiny = args.preset == "tiny"
             random_model.ensure_random_pixart(
@@ -236,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             memory.free_memory()
             run(args, str(folder))
-        else:
+            print(
+                "the weights are random, so the image is noise: this run shows that the stages, the memory "
+                "report and the files work. Real weights: python -m pixart_lowvram generate --model …"
+            )
+        elif args.command == "generate":
             run(args, args.model)
-    except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError) as exc:
+    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

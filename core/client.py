@@ -28,6 +28,10 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "http://127.0.0.1:8188"
+# Node inputs renamed since workflows were saved with them: class_type -> {old name: name}, and values of a
+# choice renamed: (class_type, input) -> {old value: value}. Applied when a workflow is loaded.
+RENAMED_INPUTS = {"PixArtQ_Sampler": {"weights": "quantization"}}
+RENAMED_VALUES = {("PixArtQ_VAEDecode", "vae_file"): {"(model folder)": "(from model)"}}
 HTTP_TIMEOUT = (5.0, 30.0)  # seconds: connect, read
 SUBMIT_ATTEMPTS = 3
 RETRY_PAUSE = 2.0  # seconds; lets a request that did reach the server land in its queue first
@@ -58,6 +62,20 @@ def load_workflow(path: Path) -> dict:
         isinstance(node, dict) and "class_type" in node for node in workflow.values()
     ):
         raise ClientError(f"{path} is not an API-format workflow (a dict of node id -> class_type, inputs)")
+    return upgrade(workflow)
+
+
+def upgrade(workflow: dict) -> dict:
+    """``workflow`` with the pack's renamed inputs and choices under their current names (in place)."""
+    for node in workflow.values():
+        inputs = node.get("inputs", {})
+        for old, new in RENAMED_INPUTS.get(node["class_type"], {}).items():
+            if old in inputs and new not in inputs:
+                inputs[new] = inputs.pop(old)
+        for name, value in list(inputs.items()):
+            renamed = RENAMED_VALUES.get((node["class_type"], name), {})
+            if isinstance(value, str) and value in renamed:
+                inputs[name] = renamed[value]
     return workflow
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .text_encoder import PixArtEmbeds
+from .contract import PixArtEmbeds, check_embeds
 
 # ComfyUI's CONDITIONING: a list of [embeddings [B, tokens, C], options] pairs.
 Conditioning = list[list]
@@ -28,8 +28,7 @@ def core_conditioning(embeds: PixArtEmbeds) -> tuple[Conditioning, Conditioning]
     """(positive, negative) CONDITIONING for core's PixArt-Σ model and KSampler: the prompt's and the
     negative's tokens without padding (a batch keeps the longest mask's length; one prompt per batch
     item gives the same length throughout)."""
-    if not isinstance(embeds, PixArtEmbeds):
-        raise TypeError(f"embeds must come from Quantized T5 Encode, got {type(embeds).__name__}.")
+    check_embeds(embeds)
     return (
         _unpadded(embeds.prompt_embeds, embeds.prompt_mask),
         _unpadded(embeds.negative_embeds, embeds.negative_mask),

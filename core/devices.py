@@ -17,7 +17,27 @@ def default_device() -> torch.device:
 
 
 def as_device(device: torch.device | str | None) -> torch.device:
-    return default_device() if device is None else torch.device(device)
+    """The device asked for (None: CUDA when present, else the CPU), refused at once when it is not here."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device name; use cpu, cuda or cuda:N.") from exc
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ValueError(
+                f"device {str(device)!r}: this torch {torch.__version__} is a CPU build without CUDA. Use device "
+                "cpu, or install a CUDA build of torch (pytorch.org lists the command for your system)."
+            )
+        count = torch.cuda.device_count()
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(
+                f"device {str(device)!r}: {'no CUDA GPU is visible' if count == 0 else f'only {count} CUDA GPU(s)'}"
+                f" here. Use {'cpu' if count == 0 else f'cuda:0..cuda:{count - 1}'}, or check the driver and "
+                f"CUDA_VISIBLE_DEVICES."
+            )
+    return device
 
 
 def bf16_ok(device: torch.device) -> bool:

@@ -20,10 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-
-from . import outputs
 
 logger = logging.getLogger(__name__)
 
@@ -161,34 +158,31 @@ def _clear_frames(exc: BaseException, drop: bool = False) -> None:
         pending += [current.__cause__, current.__context__]
 
 
-# What lowers each stage's peak, in the order to try it.
-OUT_OF_MEMORY_ADVICE = {
-    "t5_encode": "turn on low_vram in Quantized T5 Encode (T5's layers streamed from CPU memory), keep its "
-    "quantization at nf4, and put Free VRAM before it (other models still loaded)",
-    "sample": "turn on low_vram in Quanto PixArt Sampler (blocks streamed from CPU memory), lower width, height "
-    "or batch_size, keep weights at qint8, and put Free VRAM before it (T5 or other models still loaded)",
-    "vae_decode": "set tiling to on in VAE Decode (PixArt-Σ), lower width, height or batch_size, and put Free "
-    "VRAM before it (the transformer or other models still loaded)",
-}
-GENERIC_ADVICE = "lower width, height or batch_size, turn on low_vram, and put Free VRAM before this stage"
+# The last advice of every stage; a front end may add how its users do that (the nodes add their own words).
+FREE_OTHERS = "and free the GPU memory other models hold first"
+# When a stage does not say what lowers its peak (its settings' ``out_of_memory_advice``).
+GENERIC_ADVICE = f"lower width, height or batch_size, turn on low_vram, {FREE_OTHERS}"
 
 
-def out_of_memory_message(name: str, device: torch.device, exc: BaseException) -> str:
+def out_of_memory_message(name: str, device: torch.device, exc: BaseException, advice: str | None) -> str:
     """Which stage ran out of GPU memory, what it had to work with, and what to change."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
         f"stage {name} ran out of GPU memory on {device} ({first_line}). Its model was unloaded. To fit: "
-        f"{OUT_OF_MEMORY_ADVICE.get(name, GENERIC_ADVICE)}; then queue the prompt again."
+        f"{advice or GENERIC_ADVICE}; then run it again."
     )
 
 
 @contextmanager
-def stage(name: str, device: torch.device | str, report: MemoryReport | None = None) -> Iterator[None]:
+def stage(
+    name: str, device: torch.device | str, report: MemoryReport | None = None, advice: str | None = None
+) -> Iterator[None]:
     """Run one stage under ``inference_mode``, record its peaks and time, and free afterwards.
 
     On an exception the frames of the traceback are cleared before freeing, so a model loaded
     inside the stage is not kept alive by the exception that is propagating. An out-of-memory error is
-    raised again as one that names the stage and what to change (:func:`out_of_memory_message`).
+    raised again as one that names the stage and what to change: ``advice``, from the stage's settings
+    (:func:`out_of_memory_message`).
     """
     device = torch.device(device)
     on_cuda = cuda_in_use(device)
@@ -212,7 +206,7 @@ def stage(name: str, device: torch.device | str, report: MemoryReport | None = N
         _clear_frames(exc, drop=out_of_memory)
         if out_of_memory:
             # Still an OutOfMemoryError, so ComfyUI shows its own out-of-memory advice as well.
-            raise torch.cuda.OutOfMemoryError(out_of_memory_message(name, device, exc)) from exc
+            raise torch.cuda.OutOfMemoryError(out_of_memory_message(name, device, exc, advice)) from exc
         raise
     finally:
         record.seconds = time.perf_counter() - start
@@ -278,50 +272,3 @@ class History:
 
 
 history = History()
-
-
-@dataclass
-class Record:
-    """What :func:`write_report` wrote, the timeline picture and a summary for the user."""
-
-    files: list[Path]
-    picture: np.ndarray  # [H, W, 3] uint8 RGB
-    summary: str
-
-
-def write_report(report: MemoryReport, stem: Path) -> Record:
-    """Write ``stem.md`` and ``stem.json`` (the stage table), ``stem.png`` (the memory timeline) and, when the
-    allocator history was recorded, ``stem.pickle`` (the snapshot, which also stops the recording)."""
-    # Imported here: the picture needs matplotlib, which nothing else in core does.
-    from . import timeline
-
-    since_us = history.started_us
-    pickle_path = stem.with_name(stem.name + ".pickle")
-    snapshot = history.dump(pickle_path)
-    written = report.write(stem)
-    if snapshot is not None:
-        written.append(pickle_path)
-    png = stem.with_name(stem.name + ".png")
-    line = timeline.build(report.stages, snapshot, since_us)
-    picture = line.save(png)
-    written.append(png)
-    lines = [
-        report.markdown() if report.stages else "no stage of the pack ran in this prompt (cached outputs?)"
-    ]
-    lines.append(f"peak allocated over the prompt: {format_bytes(report.peak_allocated)}")
-    if line.peak is not None:
-        lines.append(f"timeline: {line.peak.label()}")
-    if snapshot is None:
-        problem = history_problem()
-        lines.append(
-            f"{NO_CUDA}: no allocator snapshot"
-            if problem == NO_CUDA
-            else f"no allocator history: {problem or 'none was recorded in this prompt'}"
-        )
-    lines.append("files: " + ", ".join(p.name for p in written))
-    return Record(written, picture, "\n".join(lines))
-
-
-def write_record(report: MemoryReport, folder: Path, prefix: str) -> Record:
-    """:func:`write_report` under the next free ``prefix_NNNNN`` name in ``folder``."""
-    return write_report(report, outputs.next_stem(folder, prefix))

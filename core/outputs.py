@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,23 @@ def check_prefix(prefix: str, name: str = "filename_prefix") -> str:
             f"letter or digit (no folders, no '..')."
         )
     return prefix
+
+
+def check_folder(folder: Path, name: str = "output folder") -> Path:
+    """Refuse, before any work, an output ``folder`` that is a file or cannot be made (it is made when the
+    first file is written)."""
+    existing = next(path for path in (folder, *folder.absolute().parents) if path.exists())
+    if not existing.is_dir():
+        what = "is a file" if existing == folder else f"is inside {str(existing)!r}, which is a file"
+        raise ValueError(
+            f"{name} {str(folder)!r} {what}; give a folder for the images and the memory report (it is made "
+            f"when missing)."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{name} {str(folder)!r}: {str(existing)!r} is not writable; give a folder you can write to."
+        )
+    return folder
 
 
 def next_stem(folder: Path, prefix: str) -> Path:

@@ -4,89 +4,160 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from . import estimates, memory, streaming
 from .cache import cache
+from .contract import (
+    LATENT_CHANNELS,
+    PixArtEmbeds,
+    ProgressCallback,
+    WarningCallback,
+    check_embeds,
+    check_flag,
+    check_latent_tensor,
+    check_number,
+    check_size,
+    warn,
+)
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, TransformerFile, check_weights, read_transformer_file
-from .quant import TRANSFORMER_SCHEMES, Quantization
-from .text_encoder import PixArtEmbeds
+from .quant import TRANSFORMER_SCHEMES, Scheme, choose
+from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
 
 logger = logging.getLogger(__name__)
 
-SIZE_MULTIPLE = 16  # the VAE's 8× times the transformer's 2× patch
-MIN_SIZE, MAX_SIZE = 64, 4096
 MAX_BATCH = 64
 MAX_STEPS = 1000
 MAX_CFG = 100.0
 MAX_SEED = 2**64 - 1
-LATENT_CHANNELS = 4
-
-# step index (1-based), total steps, current latents (model space)
-StepCallback = Callable[[int, int, torch.Tensor], None]
-
-# name -> (diffusers scheduler class, settings over the model's own scheduler config)
-_SCHEDULERS: dict[str, tuple[str, dict]] = {
-    "dpmsolver++": ("DPMSolverMultistepScheduler", {}),
-    "dpmsolver++_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
-    "dpmsolver++_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
-    "euler": ("EulerDiscreteScheduler", {}),
-    "euler_ancestral": ("EulerAncestralDiscreteScheduler", {}),
-    # DDIM's default clips the predicted sample to [-1, 1], which suits pixels, not these latents.
-    "ddim": ("DDIMScheduler", {"clip_sample": False}),
-    "unipc": ("UniPCMultistepScheduler", {}),
-    "deis": ("DEISMultistepScheduler", {}),
-}
-SCHEDULERS: tuple[str, ...] = tuple(_SCHEDULERS)
-DEFAULT_SCHEDULER = "dpmsolver++"  # what PixArt-Σ ships: the model folder's scheduler config as it is
+DEFAULT_QUANTIZATION = next(iter(TRANSFORMER_SCHEMES))
 
 CUSTOM_RESOLUTION = "custom"
 NATIVE_RESOLUTION = "native"  # a square of the model's own size (its transformer's sample_size × 8)
 
 
-def check_size(name: str, value: int) -> None:
-    _check_number(name, value, MIN_SIZE, MAX_SIZE, whole=True, hint=" pixels")
-    if value % SIZE_MULTIPLE:
-        lower = value - value % SIZE_MULTIPLE
-        raise ValueError(
-            f"{name} {value} is not a multiple of {SIZE_MULTIPLE}; use {lower} or {lower + SIZE_MULTIPLE}."
+@dataclass(frozen=True)
+class SamplerSettings:
+    """Every choice of the sampling stage, checked when it is made (before anything loads): what a node or
+    the command line builds once and hands to :func:`sample`. Derived values (the size a ``resolution``
+    stands for, ``scheme``, ``dtype``, where the transformer comes from and its config) are worked out here
+    and nowhere else.
+
+    ``resolution``: ``custom`` takes ``width`` and ``height`` (a side left None is the model's native size),
+    ``native`` a square of the model's own size, otherwise one of :func:`resolution_presets`. A LATENT given
+    to :func:`sample` sets the size instead. ``denoise`` below 1 needs that latent (image-to-image).
+    ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
+    transformer/; ``model`` still gives the scheduler and the VAE's scaling factor.
+    ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
+    ``fast`` runs the blocks compiled (``torch.compile``), their quantized weights expanded to ``dtype``
+    inside the compiled code one weight at a time, for fp16 matrix products: faster than quanto's kernels,
+    at the quantized model's memory; the first image of a process, and of each new size, waits for the
+    compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it."""
+
+    model: ModelSource
+    width: int | None = None
+    height: int | None = None
+    resolution: str = CUSTOM_RESOLUTION
+    steps: int = 20
+    cfg: float = 4.5
+    seed: int = 0
+    batch_size: int = 1
+    scheduler: str = DEFAULT_SCHEDULER
+    denoise: float = 1.0
+    quantization: str = DEFAULT_QUANTIZATION
+    device: torch.device | str | None = None
+    precision: str | torch.dtype | None = None
+    keep_loaded: bool = False
+    low_vram: bool = False
+    fast: bool = False
+    transformer_file: str | os.PathLike | None = None
+    scheme: Scheme = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    weights: ModelSource | TransformerFile = field(init=False)
+    config: dict = field(init=False, repr=False, compare=False)  # the transformer's
+
+    def __post_init__(self) -> None:
+        for name in ("keep_loaded", "low_vram", "fast"):
+            check_flag(name, getattr(self, name))
+        check_number("steps", self.steps, 1, MAX_STEPS, whole=True)
+        check_number("cfg", self.cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
+        check_number("seed", self.seed, 0, MAX_SEED, whole=True)
+        check_number("batch_size", self.batch_size, 1, MAX_BATCH, whole=True)
+        if not isinstance(self.scheduler, str) or self.scheduler not in SCHEDULERS:
+            raise ValueError(
+                f"scheduler {self.scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}."
+            )
+        check_denoise(self.denoise)
+        device = as_device(self.device)
+        # The parts of the model this stage reads, there and readable before anything loads.
+        self.model.check_complete(["scheduler", *(["transformer"] if self.transformer_file is None else [])])
+        weights = transformer_weights(self.model, self.transformer_file)
+        derived = {
+            "device": device,
+            "scheme": choose(self.quantization, TRANSFORMER_SCHEMES, device),
+            "dtype": resolve_dtype(
+                self.precision, device, cuda_default=torch.float16, cpu_default=torch.bfloat16
+            ),
+            "weights": weights,
+            "config": weights.config
+            if isinstance(weights, TransformerFile)
+            else self.model.config("transformer"),
+        }
+        if self.resolution == NATIVE_RESOLUTION:
+            derived["width"] = derived["height"] = weights.native_size
+        elif self.resolution == CUSTOM_RESOLUTION:
+            derived["width"] = weights.native_size if self.width is None else self.width
+            derived["height"] = weights.native_size if self.height is None else self.height
+        else:
+            derived["width"], derived["height"] = preset_size(self.resolution, self.width, self.height)
+        check_size("width", derived["width"])
+        check_size("height", derived["height"])
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def native_size(self) -> int:
+        """The side in pixels the transformer was trained at (512, 1024 or 2048 for PixArt-Σ's variants)."""
+        return self.weights.native_size
+
+    @property
+    def caption_channels(self) -> int:
+        return self.config.get("caption_channels", 4096)
+
+    @property
+    def cache_key(self) -> tuple:
+        """What a kept transformer is found by: the same weights, quantized and placed the same way."""
+        return (
+            "transformer",
+            self.weights.key,
+            self.scheme.name,
+            self.dtype,
+            str(self.device),
+            self.low_vram,
+            self.fast,
         )
 
+    def device_bytes(self, images: int, pixels: int) -> tuple[int, int]:
+        """(weights, work) bytes the stage holds on its device for ``images`` images of ``pixels`` pixels."""
+        return estimates.transformer(self.scheme, self.dtype, images, pixels, self.low_vram)
 
-def _check_number(name: str, value: object, low: float, high: float, whole: bool, hint: str = "") -> None:
-    kinds = (int,) if whole else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise TypeError(f"{name} must be a {'whole ' if whole else ''}number, got {value!r}.")
-    if not low <= value <= high:
-        raise ValueError(f"{name} {value} is out of range; use {low}..{high}{hint}.")
-
-
-def check_settings(
-    width: int,
-    height: int,
-    steps: int,
-    cfg: float,
-    seed: int,
-    batch_size: int,
-    scheduler: str = DEFAULT_SCHEDULER,
-) -> None:
-    check_size("width", width)
-    check_size("height", height)
-    _check_number("steps", steps, 1, MAX_STEPS, whole=True)
-    _check_number("cfg", cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
-    _check_number("seed", seed, 0, MAX_SEED, whole=True)
-    _check_number("batch_size", batch_size, 1, MAX_BATCH, whole=True)
-    if not isinstance(scheduler, str) or scheduler not in _SCHEDULERS:
-        raise ValueError(f"scheduler {scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}.")
+    def out_of_memory_advice(self) -> str:
+        steps = (
+            [] if self.low_vram else ["turn on low_vram (the transformer's blocks streamed from CPU memory)"]
+        )
+        steps.append("lower width, height or batch_size")
+        if self.scheme.if_out_of_memory:
+            steps.append(self.scheme.if_out_of_memory)
+        return ", ".join([*steps, memory.FREE_OTHERS])
 
 
-def check_denoise(denoise: float, has_latent: bool) -> None:
-    _check_number(
+def check_denoise(denoise: float, has_latent: bool = True) -> None:
+    """``denoise`` in 0..1; below 1 only with a latent to start from."""
+    check_number(
         "denoise",
         denoise,
         0.0,
@@ -101,18 +172,8 @@ def check_denoise(denoise: float, has_latent: bool) -> None:
         )
 
 
-def check_latent_tensor(latents: object, use: str, fix: str) -> None:
-    """A LATENT's samples must be a [batch, 4, h, w] tensor (the SDXL VAE's latents)."""
-    if not isinstance(latents, torch.Tensor):
-        raise TypeError(f"latent must hold a tensor under 'samples', got {type(latents).__name__}.")
-    if latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
-        raise ValueError(
-            f"latent has shape {tuple(latents.shape)}; {use} [batch, {LATENT_CHANNELS}, height/8, width/8]. {fix}"
-        )
-
-
 def check_init_latents(latents: object) -> torch.Tensor:
-    """ComfyUI LATENT samples to start from, as float32 on the CPU."""
+    """LATENT samples to start from, as float32 on the CPU."""
     check_latent_tensor(
         latents,
         "PixArt-Σ samples from",
@@ -134,16 +195,6 @@ def _init_batch(latents: torch.Tensor, prompts: int, batch_size: int) -> torch.T
             f"image each: set batch_size to 1, or use a latent batch of 1 to repeat it batch_size times."
         )
     return latents
-
-
-def steps_to_run(steps: int, denoise: float) -> int:
-    """How many of the ``steps`` steps a ``denoise`` runs: the last ``steps × denoise``, rounded half up,
-    and at least one while denoise is above 0."""
-    if denoise >= 1:
-        return steps
-    if denoise <= 0:
-        return 0
-    return max(1, math.floor(steps * denoise + 0.5))
 
 
 @functools.cache
@@ -186,55 +237,9 @@ def preset_size(resolution: str, width: int, height: int) -> tuple[int, int]:
     return presets[resolution]
 
 
-def check_embeds(embeds: PixArtEmbeds, caption_channels: int, model_name: str) -> None:
-    if not isinstance(embeds, PixArtEmbeds):
-        raise TypeError(
-            f"embeds must come from Quantized T5 Encode (PIXART_EMBEDS), got {type(embeds).__name__}."
-        )
-    if embeds.width != caption_channels:
-        raise ValueError(
-            f"embeds are {embeds.width} wide but model {model_name!r} expects {caption_channels} (T5-XXL). "
-            f"Encode the prompt with the T5 of the same PixArt-Σ model."
-        )
-
-
 def scaling_factor(source: ModelSource) -> float:
     """The VAE's latent scaling factor, read from its config without loading it."""
     return float(source.config("vae").get("scaling_factor", 0.13025))
-
-
-class _StartsLater:
-    """Mixed into a diffusers scheduler: ``set_timesteps`` drops the first ``skip`` steps of the schedule it
-    makes (image-to-image). PixArtSigmaPipeline runs every step its scheduler holds and offers no start
-    step; cutting the per-step arrays (timesteps, and sigmas where the scheduler has them) together
-    leaves the scheduler a consistent, shorter schedule: its step index, its multistep warm-up and its
-    lower-order final step all follow the steps that run."""
-
-    skip = 0
-
-    def set_timesteps(self, *args, **kwargs) -> None:
-        super().set_timesteps(*args, **kwargs)
-        if self.skip:
-            self.timesteps = self.timesteps[self.skip :]
-            if getattr(self, "sigmas", None) is not None:
-                self.sigmas = self.sigmas[self.skip :]
-
-
-@functools.cache
-def _scheduler_class(name: str) -> type:
-    import diffusers
-
-    base = getattr(diffusers, name)
-    return type(base.__name__, (_StartsLater, base), {})
-
-
-def make_scheduler(name: str, config: dict, skip: int = 0):
-    """Scheduler ``name`` built from the model's scheduler config (so its betas and timestep spacing carry
-    over), running all but the first ``skip`` steps of the schedules it is set to."""
-    class_name, settings = _SCHEDULERS[name]
-    scheduler = _scheduler_class(class_name).from_config(config, **settings)
-    scheduler.skip = skip
-    return scheduler
 
 
 def size_warning(width: int, height: int, native: int) -> str | None:
@@ -267,11 +272,6 @@ def transformer_weights(
     return read_transformer_file(transformer_file, folder_config)
 
 
-def native_size(source: ModelSource, transformer_file: str | os.PathLike | None = None) -> int:
-    """The side in pixels the transformer was trained at (512, 1024 or 2048 for PixArt-Σ's variants)."""
-    return transformer_weights(source, transformer_file).native_size
-
-
 def _from_file(weights: TransformerFile, dtype: torch.dtype):
     """A transformer built empty from the file's inferred config, then given the file's weights (renamed
     to diffusers' keys): diffusers has no single-file loader for PixArt."""
@@ -285,38 +285,32 @@ def _from_file(weights: TransformerFile, dtype: torch.dtype):
     return model
 
 
-def _load(
-    weights: ModelSource | TransformerFile,
-    quant: Quantization,
-    dtype: torch.dtype,
-    device: torch.device,
-    low_vram: bool = False,
-    fast: bool = False,
-):
-    """The transformer, quantized, on ``device``; with ``low_vram`` quantized in CPU memory and its
-    blocks streamed to ``device`` one at a time (:mod:`streaming`). ``fast``: the blocks' quantized
+def _load(settings: SamplerSettings):
+    """The transformer, quantized, on the settings' device; with ``low_vram`` quantized in CPU memory and its
+    blocks streamed to the device one at a time (:mod:`streaming`). ``fast``: the blocks' quantized
     layers hold plain tensors and expand them as they run (``plain_modules``), and the blocks are
     compiled."""
     from diffusers import PixArtTransformer2DModel
 
+    weights = settings.weights
     if isinstance(weights, TransformerFile):
-        model = _from_file(weights, dtype)
+        model = _from_file(weights, settings.dtype)
     else:
         folder = weights.folder(["transformer"])
         check_weights(folder / "transformer", weights.name)
         model = PixArtTransformer2DModel.from_pretrained(
-            folder, subfolder="transformer", dtype=dtype, use_safetensors=True
+            folder, subfolder="transformer", dtype=settings.dtype, use_safetensors=True
         )
-    return prepare(model, quant, device, low_vram, fast)
+    return prepare(model, settings.scheme, settings.device, settings.low_vram, settings.fast)
 
 
-def prepare(model, quant: Quantization, device: torch.device, low_vram: bool = False, fast: bool = False):
+def prepare(model, scheme: Scheme, device: torch.device, low_vram: bool = False, fast: bool = False):
     """A loaded transformer (on the CPU) quantized and made ready to run on ``device`` (see ``_load``)."""
-    model = quant.after_load(model)
+    model = scheme.after_load(model)
     model.eval()
     blocks = model.transformer_blocks
     if fast:
-        quant.plain_modules(blocks)
+        scheme.plain_modules(blocks)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:
@@ -351,148 +345,85 @@ def compile_failed(exc: BaseException) -> RuntimeError:
 
 
 def sample(
-    source: ModelSource,
+    settings: SamplerSettings,
     embeds: PixArtEmbeds,
-    width: int = 1024,
-    height: int = 1024,
-    steps: int = 20,
-    cfg: float = 4.5,
-    seed: int = 0,
-    batch_size: int = 1,
-    scheduler: str = DEFAULT_SCHEDULER,
     init_latents: torch.Tensor | None = None,
-    denoise: float = 1.0,
-    quantization: str = "qint8",
-    device: torch.device | str | None = None,
-    dtype: str | torch.dtype | None = None,
-    keep_loaded: bool = False,
-    on_step: StepCallback | None = None,
     report: memory.MemoryReport | None = None,
-    low_vram: bool = False,
-    transformer_file: str | os.PathLike | None = None,
-    on_warning: Callable[[str], None] | None = None,
-    fast: bool = False,
+    on_warning: WarningCallback | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.Tensor:
     """Denoise from seeded noise, or from ``init_latents`` (image-to-image); return latents
     ``[B, 4, H/8, W/8]`` in raw VAE space (divided by the VAE's scaling factor, as ComfyUI's LATENT holds
     them), float32 on the CPU.
 
-    ``init_latents`` are LATENT samples (raw VAE space). They set the size (width and height are then
-    ignored) and the batch: one latent is repeated ``batch_size`` times, a batch of several gives one
-    image each. ``denoise`` below 1 noises them to the first of the last ``steps_to_run(steps, denoise)``
-    steps of the ``steps``-step schedule and runs those; 1 starts from pure noise of their shape (as
-    ComfyUI's Empty Latent Image does: the values are not used); 0 returns them as they are.
+    ``init_latents`` are LATENT samples (raw VAE space). They set the size (the settings' width and height
+    are then ignored) and the batch: one latent is repeated ``batch_size`` times, a batch of several gives
+    one image each. ``denoise`` below 1 noises them to the first of the last ``steps_to_run(steps, denoise)``
+    steps of the ``steps``-step schedule and runs those; 1 starts from pure noise of their shape (as an empty
+    latent does: the values are not used); 0 returns them as they are.
 
     The noise is drawn on the CPU from ``seed``, and the same generator feeds the schedulers that add
     noise at every step (ancestral, SDE), so a seed gives the same image on any device.
 
-    ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
-
-    ``fast`` compiles the transformer's blocks (``torch.compile``; the first image of a process, and of
-    each new size, waits for the compile) with their quantized weights expanded to ``dtype`` inside the
-    compiled code, one weight at a time, for fp16 matrix products: faster than quanto's kernels, at the
-    quantized model's memory.
-
-    ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``source``'s
-    transformer/; ``source`` still gives the scheduler and the VAE's scaling factor.
-
     A size far from the model's native one (:func:`size_warning`) is logged and given to ``on_warning``.
+    ``on_progress(step, total, latents)`` is called after each step with the latents in model space; an
+    exception it raises (a cancel) ends the stage like any other.
     """
-    for name, flag in (("low_vram", low_vram), ("fast", fast)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be true or false, got {flag!r}.")
+    width, height = settings.width, settings.height
     if init_latents is not None:
         init_latents = check_init_latents(init_latents)
         height, width = (side * 8 for side in init_latents.shape[-2:])
-    check_settings(width, height, steps, cfg, seed, batch_size, scheduler)
-    check_denoise(denoise, has_latent=init_latents is not None)
-    device = as_device(device)
-    quant = Quantization(quantization, device, TRANSFORMER_SCHEMES)
-    dtype = resolve_dtype(dtype, device, cuda_default=torch.float16, cpu_default=torch.bfloat16)
-    weights = transformer_weights(source, transformer_file)
-    config = weights.config if isinstance(weights, TransformerFile) else source.config("transformer")
-    check_embeds(embeds, config.get("caption_channels", 4096), source.name)
-    warning = size_warning(width, height, weights.native_size)
-    if warning is not None:
-        logger.warning("%s", warning)
-        if on_warning is not None:
-            on_warning(warning)
-    scale = scaling_factor(source)
-    images = embeds.batch * batch_size
+    check_denoise(settings.denoise, has_latent=init_latents is not None)
+    check_embeds(embeds, settings.caption_channels, settings.model.name)
+    warn(logger, size_warning(width, height, settings.native_size), on_warning)
+    scale = scaling_factor(settings.model)
+    images = embeds.batch * settings.batch_size
     if init_latents is not None:
-        init_latents = _init_batch(init_latents, embeds.batch, batch_size)
-        if denoise == 0:
+        init_latents = _init_batch(init_latents, embeds.batch, settings.batch_size)
+        if settings.denoise == 0:
             return init_latents
         images = init_latents.shape[0]
 
-    generator = torch.Generator("cpu").manual_seed(seed)
+    generator = torch.Generator("cpu").manual_seed(settings.seed)
     # Drawn in fp32 on the CPU: a low-precision draw gives other numbers on some torch versions.
     noise = torch.randn(
         (images, LATENT_CHANNELS, height // 8, width // 8), generator=generator, dtype=torch.float32
     )
+    steps = settings.steps
     schedule = make_scheduler(
-        scheduler, source.config("scheduler"), skip=steps - steps_to_run(steps, denoise)
+        settings.scheduler,
+        settings.model.config("scheduler"),
+        skip=steps - steps_to_run(steps, settings.denoise),
     )
     latents = noise
-    if init_latents is not None and denoise < 1:
+    if init_latents is not None and settings.denoise < 1:
         schedule.set_timesteps(steps)
         noised = schedule.add_noise(init_latents * scale, noise, schedule.timesteps[:1])
         # The pipeline multiplies the latents it is given by init_noise_sigma, as it does pure noise.
         latents = noised / schedule.init_noise_sigma
-    with memory.stage("sample", device, report):
-        latents = _sample(
-            weights,
-            embeds,
-            latents,
-            steps,
-            cfg,
-            schedule,
-            generator,
-            quant,
-            dtype,
-            device,
-            keep_loaded,
-            on_step,
-            low_vram,
-            fast,
-        )
+    with memory.stage("sample", settings.device, report, settings.out_of_memory_advice()):
+        latents = _sample(settings, embeds, latents, schedule, generator, on_progress)
     return latents / scale
 
 
-def _sample(
-    weights,
-    embeds,
-    latents,
-    steps,
-    cfg,
-    schedule,
-    generator,
-    quant,
-    dtype,
-    device,
-    keep_loaded,
-    on_step,
-    low_vram,
-    fast,
-) -> torch.Tensor:
+def _sample(settings: SamplerSettings, embeds, latents, schedule, generator, on_progress) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("transformer", weights.key, quant.scheme, dtype, str(device), low_vram, fast)
-    total = steps - schedule.skip
-    load = lambda: _load(weights, quant, dtype, device, low_vram, fast)  # noqa: E731
-    room = estimates.transformer(
-        quant.scheme, dtype, latents, low_vram
-    )  # (weights, work) bytes, for the host
-    with cache.use(key, load, keep_loaded, device, *room) as transformer:
+    device, dtype = settings.device, settings.dtype
+    total = settings.steps - schedule.skip
+    room = settings.device_bytes(latents.shape[0], latents.shape[-1] * latents.shape[-2] * 64)
+    with cache.use(
+        settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *room
+    ) as transformer:
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
         )
         pipe.set_progress_bar_config(disable=True)
 
         def callback(step: int, _t, latents: torch.Tensor) -> None:
-            if on_step is not None:
-                on_step(step + 1, total, latents)
+            if on_progress is not None:
+                on_progress(step + 1, total, latents)
 
         try:
             latents = pipe(
@@ -504,8 +435,8 @@ def _sample(
                 latents=latents.to(device, dtype),
                 width=latents.shape[-1] * 8,
                 height=latents.shape[-2] * 8,
-                num_inference_steps=steps,
-                guidance_scale=cfg,
+                num_inference_steps=settings.steps,
+                guidance_scale=settings.cfg,
                 num_images_per_prompt=latents.shape[0] // embeds.batch,
                 generator=generator,
                 output_type="latent",

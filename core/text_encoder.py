@@ -2,54 +2,105 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import estimates, memory, quant_cache, streaming
 from .cache import cache
+from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, check_flag, warn
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, T5File, check_weights, read_t5_file
-from .quant import TEXT_ENCODER_SCHEMES, Quantization
+from .quant import TEXT_ENCODER_SCHEMES, Scheme, choose
 
 logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 300  # PixArt-Σ's caption length
 DROPPED_SHOWN = 80  # characters of the dropped text quoted in the truncation warning
+DEFAULT_QUANTIZATION = next(iter(TEXT_ENCODER_SCHEMES))
 
 
 @dataclass(frozen=True)
-class PixArtEmbeds:
-    """What the encoder hands the sampler: padded embeddings and masks, kept on the CPU."""
+class EncoderSettings:
+    """Every choice of the T5 stage, checked when it is made (before anything loads): what a node or the
+    command line builds once and hands to :func:`encode`. Derived values (``scheme``, ``dtype``,
+    ``weights``) are worked out here and nowhere else.
 
-    prompt_embeds: torch.Tensor  # [B, 300, C]
-    prompt_mask: torch.Tensor  # [B, 300]
-    negative_embeds: torch.Tensor
-    negative_mask: torch.Tensor
-    model: str  # which weights produced them
-    quantization: str
-    dtype: torch.dtype
+    T5 comes from ``model``'s text_encoder/, or from ``t5_file`` (one safetensors file, e.g. ComfyUI's
+    t5xxl_fp16.safetensors); the tokenizer from ``model``'s tokenizer/, else ``tokenizer_fallback`` (a T5
+    tokenizer folder). With ``quant_cache`` (a folder) the quantized T5 is saved there on first use and read
+    back later (:mod:`quant_cache`). ``low_vram`` keeps T5 in CPU memory and streams its layers to the GPU one
+    at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed.
+    ``keep_loaded`` keeps T5 for the next prompt instead of unloading it."""
+
+    model: ModelSource
+    quantization: str = DEFAULT_QUANTIZATION
+    device: torch.device | str | None = None
+    precision: str | torch.dtype | None = None
+    keep_loaded: bool = False
+    low_vram: bool = False
+    t5_file: str | os.PathLike | None = None
+    quant_cache: Path | None = None
+    tokenizer_fallback: Path | None = None
+    scheme: Scheme = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    weights: ModelSource | T5File = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_flag("keep_loaded", self.keep_loaded)
+        check_flag("low_vram", self.low_vram)
+        device = as_device(self.device)
+        # T5's folder there and readable before anything loads (the tokenizer is found, or the fallback
+        # named, by encode() before T5 loads).
+        if self.t5_file is None:
+            self.model.check_complete(["text_encoder"])
+        derived = {
+            "device": device,
+            "scheme": choose(self.quantization, TEXT_ENCODER_SCHEMES, device),
+            # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
+            "dtype": resolve_dtype(
+                self.precision, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16
+            ),
+            "weights": read_t5_file(self.t5_file) if self.t5_file is not None else self.model,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @property
-    def width(self) -> int:
-        return self.prompt_embeds.shape[-1]
+    def cache_key(self) -> tuple:
+        """What a kept T5 is found by: the same weights, quantized and placed the same way."""
+        return (
+            "text_encoder",
+            self.weights.key,
+            self.scheme.name,
+            self.dtype,
+            str(self.device),
+            self.low_vram,
+        )
 
-    @property
-    def batch(self) -> int:
-        return self.prompt_embeds.shape[0]
+    def device_bytes(self) -> tuple[int, int]:
+        """(weights, work) bytes the stage holds on its device, for the host to make room."""
+        return estimates.text_encoder(self.scheme, self.dtype, self.low_vram)
+
+    def out_of_memory_advice(self) -> str:
+        steps = [] if self.low_vram else ["turn on low_vram (T5's layers streamed from CPU memory)"]
+        if self.scheme.if_out_of_memory:
+            steps.append(self.scheme.if_out_of_memory)
+        return ", ".join([*steps, memory.FREE_OTHERS])
 
 
-def t5_class(quant: Quantization) -> type:
-    """The T5 encoder class ``quant`` loads: transformers' own, which keeps T5's ``wo`` projections out of
+def t5_class(scheme: Scheme) -> type:
+    """The T5 encoder class ``scheme`` loads: transformers' own, which keeps T5's ``wo`` projections out of
     quantization, or one that quantizes every linear layer (:func:`_t5_quantizing_every_linear`)."""
     from transformers import T5EncoderModel
 
-    return T5EncoderModel if quant.keeps_fp32_modules() else _t5_quantizing_every_linear()
+    return T5EncoderModel if scheme.keeps_fp32_modules() else _t5_quantizing_every_linear()
 
 
 @functools.cache
@@ -87,23 +138,16 @@ def _t5_quantizing_every_linear() -> type:
     return T5EncoderQuantizedWo
 
 
-def _load(
-    weights: ModelSource | T5File,
-    quant: Quantization,
-    dtype: torch.dtype,
-    device: torch.device,
-    cache_dir: Path | None,
-    low_vram: bool = False,
-):
+def _load(settings: EncoderSettings):
     """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache).
-    With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to
-    ``device`` one at a time (:mod:`streaming`); the token embeddings stay on the CPU."""
-
-    model_class = t5_class(quant)
-    settings = {"scheme": quant.scheme, "dtype": dtype, "class": model_class.__name__}
+    With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to the
+    device one at a time (:mod:`streaming`); the token embeddings stay on the CPU."""
+    weights, scheme, dtype = settings.weights, settings.scheme, settings.dtype
+    model_class = t5_class(scheme)
+    recipe = {"scheme": scheme.name, "dtype": dtype, "class": model_class.__name__}
     if isinstance(weights, T5File):
         origin = weights.path
-        settings["config"] = weights.config  # inferred, so a change in the inference is a new entry
+        recipe["config"] = weights.config  # inferred, so a change in the inference is a new entry
 
         def pretrained() -> dict:
             return weights.pretrained_kwargs(dtype)
@@ -113,7 +157,7 @@ def _load(
         def pretrained() -> dict:
             return {"pretrained_model_name_or_path": origin}
 
-    load_device = torch.device("cpu") if low_vram else device
+    load_device = torch.device("cpu") if settings.low_vram else settings.device
 
     def from_pretrained(pretrained_model_name_or_path, **kwargs):
         model = model_class.from_pretrained(
@@ -126,21 +170,21 @@ def _load(
         return model.eval()
 
     def quantize():
-        return quant.after_load(from_pretrained(**pretrained(), **quant.load_kwargs(dtype)))
+        return scheme.after_load(from_pretrained(**pretrained(), **scheme.load_kwargs(dtype)))
 
-    if cache_dir is None or not quant.enabled:
+    if settings.quant_cache is None or not scheme.quantized:
         model = quantize()
     else:
         model = quant_cache.load_or_build(
-            quant_cache.entry(cache_dir, "text_encoder", origin, settings),
+            quant_cache.entry(settings.quant_cache, "text_encoder", origin, recipe),
             load=from_pretrained,  # the saved config carries the quantization
             build=quantize,
             save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
         )
-    if low_vram:
+    if settings.low_vram:
         encoder = model.encoder
         streaming.stream_blocks(
-            model, encoder.block, device, keep_on_cpu=[model.shared, encoder.embed_tokens]
+            model, encoder.block, settings.device, keep_on_cpu=[model.shared, encoder.embed_tokens]
         )
     return model
 
@@ -165,43 +209,24 @@ def _load_tokenizer(source: ModelSource, fallback: Path | None):
 
 
 def encode(
-    source: ModelSource,
+    settings: EncoderSettings,
     prompt: str,
     negative_prompt: str = "",
-    quantization: str = "nf4",
-    device: torch.device | str | None = None,
-    dtype: str | torch.dtype | None = None,
-    keep_loaded: bool = False,
-    quant_cache_dir: Path | None = None,
     report: memory.MemoryReport | None = None,
-    t5_file: str | os.PathLike | None = None,
-    tokenizer_fallback: Path | None = None,
-    low_vram: bool = False,
-    on_warning: Callable[[str], None] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_warning: WarningCallback | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> PixArtEmbeds:
     """Encode ``prompt`` and ``negative_prompt`` to 300-token embeddings; T5 is unloaded afterwards
-    unless ``keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
+    unless ``settings.keep_loaded``. An empty prompt is allowed (it encodes as the empty string).
 
-    T5 comes from ``source``'s text_encoder/, or from ``t5_file`` (one safetensors file, e.g. ComfyUI's
-    t5xxl_fp16.safetensors); the tokenizer from ``source``'s tokenizer/, else ``tokenizer_fallback``.
-    With ``quant_cache_dir`` the quantized T5 is saved there on first use and read back later
-    (see :mod:`quant_cache`). ``low_vram`` keeps T5 in CPU memory and streams its layers to the GPU one
-    at a time: a few hundred MB of GPU memory instead of the whole quantized model, for some speed.
     A prompt longer than 300 tokens is cut there; the warning is logged and given to ``on_warning``.
-    ``on_progress(done, total)`` is called when T5 is ready (loaded or kept) and when the prompts are
+    ``on_progress(done, total, None)`` is called when T5 is ready (loaded or kept) and when the prompts are
     encoded; an exception it raises (a cancel) ends the stage like any other."""
-    if not isinstance(low_vram, bool):
-        raise TypeError(f"low_vram must be true or false, got {low_vram!r}.")
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if not isinstance(text, str):
             raise TypeError(f"{name} must be text, got {type(text).__name__}.")
-    device = as_device(device)
-    quant = Quantization(quantization, device, TEXT_ENCODER_SCHEMES)
-    # bf16 has fp32's range, so T5's activations do not overflow as they can in fp16.
-    dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.bfloat16)
-    weights = read_t5_file(t5_file) if t5_file is not None else source
-    tokenizer = _load_tokenizer(source, tokenizer_fallback)
+    tokenizer = _load_tokenizer(settings.model, settings.tokenizer_fallback)
+    weights = settings.weights
     if isinstance(weights, T5File) and len(tokenizer) > weights.config["vocab_size"]:
         raise ValueError(
             f"t5_file {weights.path.name!r} has {weights.config['vocab_size']} token embeddings but the tokenizer "
@@ -209,29 +234,12 @@ def encode(
             f"T5-XXL file (32128 embeddings) with a T5 v1.1 tokenizer."
         )
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
-        warning = truncation_warning(tokenizer, name, text)
-        if warning is not None:
-            logger.warning("%s", warning)
-            if on_warning is not None:
-                on_warning(warning)
-    with memory.stage("t5_encode", device, report):
-        return _encode(
-            source,
-            weights,
-            tokenizer,
-            prompt,
-            negative_prompt,
-            quant,
-            dtype,
-            device,
-            keep_loaded,
-            quant_cache_dir,
-            low_vram,
-            on_progress or _no_progress,
-        )
+        warn(logger, truncation_warning(tokenizer, name, text), on_warning)
+    with memory.stage("t5_encode", settings.device, report, settings.out_of_memory_advice()):
+        return _encode(settings, tokenizer, prompt, negative_prompt, on_progress or _no_progress)
 
 
-def _no_progress(_done: int, _total: int) -> None:
+def _no_progress(_done: int, _total: int, _latents: torch.Tensor | None) -> None:
     pass
 
 
@@ -250,47 +258,56 @@ def truncation_warning(tokenizer, name: str, text: str) -> str | None:
 
 
 def _encode(
-    source,
-    weights,
-    tokenizer,
-    prompt,
-    negative_prompt,
-    quant,
-    dtype,
-    device,
-    keep_loaded,
-    cache_dir,
-    low_vram,
-    on_progress,
+    settings: EncoderSettings, tokenizer, prompt: str, negative_prompt: str, on_progress: ProgressCallback
 ) -> PixArtEmbeds:
     # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
     from diffusers import PixArtSigmaPipeline
 
-    key = ("text_encoder", weights.key, quant.scheme, dtype, str(device), low_vram)
-    load = lambda: _load(weights, quant, dtype, device, cache_dir, low_vram)  # noqa: E731
-    # (weights, work) bytes, for the host to make room
-    room = estimates.text_encoder(quant.scheme, dtype, low_vram)
-    with cache.use(key, load, keep_loaded, device, *room) as text_encoder:
-        on_progress(1, 2)
+    device = settings.device
+    with cache.use(
+        settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *settings.device_bytes()
+    ) as text_encoder:
+        on_progress(1, 2, None)
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
         pipe = PixArtSigmaPipeline(
             tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
         )
-        embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
-            prompt,
-            do_classifier_free_guidance=True,
-            negative_prompt=negative_prompt,
-            device=device,
-            clean_caption=False,
-            max_sequence_length=MAX_TOKENS,
-        )
-        on_progress(2, 2)
+        with _without_diffusers_truncation_warning():
+            embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
+                prompt,
+                do_classifier_free_guidance=True,
+                negative_prompt=negative_prompt,
+                device=device,
+                clean_caption=False,
+                max_sequence_length=MAX_TOKENS,
+            )
+        on_progress(2, 2, None)
     return PixArtEmbeds(
         prompt_embeds=embeds.cpu(),
         prompt_mask=mask.cpu(),
         negative_embeds=neg_embeds.cpu(),
         negative_mask=neg_mask.cpu(),
-        model=source.key,
-        quantization=quant.describe(),
+        model=settings.model.key,
+        quantization=settings.scheme.describe(),
         dtype=embeds.dtype,
     )
+
+
+# diffusers' encode_prompt logs the whole cut text of a long prompt (kilobytes); :func:`truncation_warning`
+# has already said what was cut, shortened.
+_PIPELINE_LOGGER = "diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma"
+_TRUNCATED = "The following part of your input was truncated"
+
+
+def _not_truncation(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_TRUNCATED)
+
+
+@contextlib.contextmanager
+def _without_diffusers_truncation_warning() -> Iterator[None]:
+    pipeline_logger = logging.getLogger(_PIPELINE_LOGGER)
+    pipeline_logger.addFilter(_not_truncation)
+    try:
+        yield
+    finally:
+        pipeline_logger.removeFilter(_not_truncation)

@@ -1,4 +1,5 @@
-"""The memory timeline picture: CUDA memory allocated and reserved over a run, each stage shaded and the peak
+"""The memory record of a run (``write_report``: the stage table, the timeline picture, the allocator snapshot)
+and the timeline picture itself: CUDA memory allocated and reserved over a run, each stage shaded and the peak
 labelled, rebuilt from the allocator history (the dict ``torch.cuda.memory._snapshot()`` returns).
 
 Without allocator history (a CPU run, or recording off) the picture shows the per-stage figures instead, so a
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import memory, outputs
 from .memory import NO_CUDA, StageRecord, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -316,3 +318,47 @@ def build(stages: Sequence[StageRecord], snapshot: dict | None, since_us: int | 
     (when recording started, on the trace's clock)."""
     series = device_series(snapshot, since_us) if snapshot is not None else []
     return Timeline(series, list(stages), find_peak(series, stages))
+
+
+@dataclass
+class Record:
+    """What :func:`write_report` wrote, the timeline picture and a summary for the user."""
+
+    files: list[Path]
+    picture: np.ndarray  # [H, W, 3] uint8 RGB
+    summary: str
+
+
+def write_report(report: memory.MemoryReport, stem: Path) -> Record:
+    """Write ``stem.md`` and ``stem.json`` (the stage table), ``stem.png`` (the memory timeline) and, when the
+    allocator history was recorded, ``stem.pickle`` (the snapshot, which also stops the recording)."""
+    since_us = memory.history.started_us
+    pickle_path = stem.with_name(stem.name + ".pickle")
+    snapshot = memory.history.dump(pickle_path)
+    written = report.write(stem)
+    if snapshot is not None:
+        written.append(pickle_path)
+    png = stem.with_name(stem.name + ".png")
+    line = build(report.stages, snapshot, since_us)
+    picture = line.save(png)
+    written.append(png)
+    lines = [
+        report.markdown() if report.stages else "no stage of the pack ran in this prompt (cached outputs?)"
+    ]
+    lines.append(f"peak allocated over the prompt: {format_bytes(report.peak_allocated)}")
+    if line.peak is not None:
+        lines.append(f"timeline: {line.peak.label()}")
+    if snapshot is None:
+        problem = memory.history_problem()
+        lines.append(
+            f"{NO_CUDA}: no allocator snapshot"
+            if problem == NO_CUDA
+            else f"no allocator history: {problem or 'none was recorded in this prompt'}"
+        )
+    lines.append("files: " + ", ".join(p.name for p in written))
+    return Record(written, picture, "\n".join(lines))
+
+
+def write_record(report: memory.MemoryReport, folder: Path, prefix: str) -> Record:
+    """:func:`write_report` under the next free ``prefix_NNNNN`` name in ``folder``."""
+    return write_report(report, outputs.next_stem(folder, prefix))

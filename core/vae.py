@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import estimates, memory
 from .cache import cache
+from .contract import ProgressCallback, check_flag, check_latent_tensor
 from .devices import as_device, resolve_dtype
 from .models import ModelSource, check_weights, read_single_file_header
-from .sampler import check_latent_tensor
 
 TILING = ("auto", "on", "off")
 TILE_SIZE = (
@@ -27,11 +28,10 @@ ACTIVATION_BYTES_PER_PIXEL = 1300
 VAE_PARAMETERS = 84_000_000
 TILED_WORK_BYTES_PER_PIXEL = 0.64 * estimates.GIB / TILE_SIZE**2 / 2  # per tile pixel and dtype byte
 
-FROM_MODEL = "(model folder)"
 CONV_IN = "decoder.conv_in.weight"  # the same name in both key layouts
 VAE_FILE_HINT = (
     "Use the SDXL VAE as a .safetensors file in models/vae (e.g. sdxl_vae.safetensors, in the original or "
-    "the diffusers key layout), or choose (model folder) to use the PixArt-Σ model's own vae/."
+    "the diffusers key layout), or no vae_file to use the PixArt-Σ model's own vae/."
 )
 # The SDXL VAE's diffusers config, for a single file when the model is not a local folder (a hub id):
 # reading a config must never go to the network.
@@ -56,7 +56,7 @@ def check_latents(samples: object) -> None:
     check_latent_tensor(
         samples,
         "PixArt-Σ's VAE decodes",
-        "Feed it the LATENT of Quanto PixArt Sampler or of an SDXL-family node.",
+        "Feed it the LATENT of the PixArt-Σ sampler or of an SDXL-family model.",
     )
 
 
@@ -74,9 +74,67 @@ def check_vae_file(path: str | Path) -> Path:
     return path
 
 
-def _load(source: ModelSource, dtype: torch.dtype, device: torch.device, vae_file: Path | None = None):
+@dataclass(frozen=True)
+class DecoderSettings:
+    """Every choice of the decode stage, checked when it is made (before anything loads): what a node or the
+    command line builds once and hands to :func:`decode`.
+
+    ``tiling``: ``on`` decodes in overlapping, blended tiles of ``tile_size`` pixels (much less memory),
+    ``off`` in one piece, ``auto`` tiles when the whole would not fit in free GPU memory. ``vae_file``: the
+    SDXL VAE as one safetensors file instead of the model's vae/ (the model folder's VAE config is used with
+    it, so nothing is fetched). ``keep_loaded`` keeps the VAE for the next prompt instead of unloading it."""
+
+    model: ModelSource
+    device: torch.device | str | None = None
+    precision: str | torch.dtype | None = None
+    keep_loaded: bool = False
+    tiling: str = "auto"
+    tile_size: int = TILE_SIZE
+    vae_file: str | os.PathLike | None = None
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_flag("keep_loaded", self.keep_loaded)
+        if self.tiling not in TILING:
+            raise ValueError(f"tiling {self.tiling!r} is unknown; choose one of {', '.join(TILING)}.")
+        tile = self.tile_size
+        if isinstance(tile, bool) or not isinstance(tile, int) or tile < MIN_TILE_SIZE or tile % 8:
+            raise ValueError(
+                f"tile_size {tile!r} is not allowed; use a multiple of 8 pixels, at least {MIN_TILE_SIZE}."
+            )
+        device = as_device(self.device)
+        if self.vae_file is None:  # the model's own VAE, there and readable before anything loads
+            self.model.check_complete(["vae"])
+        derived = {
+            "device": device,
+            # The SDXL VAE overflows in fp16 (hence ComfyUI decodes it in bf16 or fp32).
+            "dtype": resolve_dtype(
+                self.precision, device, cuda_default=torch.bfloat16, cpu_default=torch.float32
+            ),
+            "vae_file": check_vae_file(self.vae_file) if self.vae_file is not None else None,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def cache_key(self) -> tuple:
+        """What a kept VAE is found by: the same weights in the same dtype on the same device."""
+        weights = str(self.vae_file.resolve()) if self.vae_file is not None else self.model.key
+        return ("vae", weights, self.dtype, str(self.device))
+
+    def device_bytes(self, samples: torch.Tensor, tile: int | None) -> tuple[int, int]:
+        """(weights, work) bytes of a decode of ``samples``, whole or in tiles of ``tile`` pixels."""
+        return needs(samples, self.dtype, tile)
+
+    def out_of_memory_advice(self) -> str:
+        steps = [] if self.tiling == "on" else ["set tiling to on"]
+        return ", ".join([*steps, "lower width, height or batch_size", memory.FREE_OTHERS])
+
+
+def _load(settings: DecoderSettings):
     from diffusers import AutoencoderKL
 
+    source, dtype, vae_file = settings.model, settings.dtype, settings.vae_file
     if vae_file is None:
         folder = source.folder(["vae"])
         check_weights(folder / "vae", source.name)
@@ -90,7 +148,7 @@ def _load(source: ModelSource, dtype: torch.dtype, device: torch.device, vae_fil
         with tempfile.TemporaryDirectory() as config:
             (Path(config) / "config.json").write_text(json.dumps(SDXL_VAE_CONFIG))
             model = AutoencoderKL.from_single_file(str(vae_file), config=config, torch_dtype=dtype)
-    model.to(device)
+    model.to(settings.device)
     model.eval()
     return model
 
@@ -111,8 +169,6 @@ def needs(samples: torch.Tensor, dtype: torch.dtype, tile: int | None) -> tuple[
 
 def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
     """``auto`` tiles when the untiled decode would not fit in the device's free memory."""
-    if tiling not in TILING:
-        raise ValueError(f"tiling {tiling!r} is unknown; choose one of {', '.join(TILING)}.")
     if tiling != "auto":
         return tiling == "on"
     if not memory.cuda_in_use(device):
@@ -123,60 +179,37 @@ def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: to
 
 
 def decode(
-    source: ModelSource,
+    settings: DecoderSettings,
     samples: torch.Tensor,
-    device: torch.device | str | None = None,
-    dtype: str | torch.dtype | None = None,
-    keep_loaded: bool = False,
-    tiling: str = "auto",
-    tile_size: int = TILE_SIZE,
     report: memory.MemoryReport | None = None,
-    vae_file: str | Path | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> torch.Tensor:
     """Decode raw-VAE-space latents ``[B, 4, h, w]`` to images ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU.
 
-    ``tiling``: ``on`` decodes in overlapping, blended tiles of ``tile_size`` pixels (much less
-    memory), ``off`` in one piece, ``auto`` tiles when the whole would not fit in free GPU memory.
-    ``vae_file``: the SDXL VAE as one safetensors file instead of the model's vae/ (the model folder's VAE
-    config is used with it, so nothing is fetched).
-    ``on_progress(done, total)`` is called when the VAE is ready (loaded or kept) and when it has decoded.
-    """
+    ``on_progress(done, total, None)`` is called when the VAE is ready (loaded or kept) and when it has
+    decoded."""
     check_latents(samples)
-    vae_file = check_vae_file(vae_file) if vae_file is not None else None
-    if (
-        isinstance(tile_size, bool)
-        or not isinstance(tile_size, int)
-        or tile_size < MIN_TILE_SIZE
-        or tile_size % 8
-    ):
-        raise ValueError(
-            f"tile_size {tile_size!r} is not allowed; use a multiple of 8 pixels, at least {MIN_TILE_SIZE}."
-        )
-    device = as_device(device)
-    # The SDXL VAE overflows in fp16 (hence ComfyUI decodes it in bf16 or fp32).
-    dtype = resolve_dtype(dtype, device, cuda_default=torch.bfloat16, cpu_default=torch.float32)
-    tile = tile_size if use_tiles(tiling, samples, dtype, device) else None
-    with memory.stage("vae_decode", device, report):
-        return _decode(source, samples, dtype, device, keep_loaded, tile, vae_file, on_progress)
+    tile = (
+        settings.tile_size if use_tiles(settings.tiling, samples, settings.dtype, settings.device) else None
+    )
+    with memory.stage("vae_decode", settings.device, report, settings.out_of_memory_advice()):
+        return _decode(settings, samples, tile, on_progress)
 
 
 def _decode(
-    source, samples, dtype, device, keep_loaded, tile: int | None, vae_file: Path | None, on_progress=None
+    settings: DecoderSettings, samples: torch.Tensor, tile: int | None, on_progress: ProgressCallback | None
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the VAE alive.
-    weights = str(vae_file.resolve()) if vae_file is not None else source.key
-    key = ("vae", weights, dtype, str(device))
-    load = lambda: _load(source, dtype, device, vae_file)  # noqa: E731
-    weights_bytes, work = needs(samples, dtype, tile)
-    with cache.use(key, load, keep_loaded, device=device, weights=weights_bytes, work=work) as vae:
+    device = settings.device
+    room = settings.device_bytes(samples, tile)
+    with cache.use(settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *room) as vae:
         if on_progress is not None:
-            on_progress(1, 2)
+            on_progress(1, 2, None)
         # A kept VAE may come back from a tiled run: set its mode every time.
         vae.use_tiling = tile is not None
         if tile is not None:
             vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // 8
-        decoded = vae.decode(samples.to(device, dtype), return_dict=False)[0]
+        decoded = vae.decode(samples.to(device, settings.dtype), return_dict=False)[0]
         if on_progress is not None:
-            on_progress(2, 2)
+            on_progress(2, 2, None)
     return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import comfy.latent_formats
@@ -10,16 +12,19 @@ import comfy.model_management
 import comfy.utils
 import folder_paths
 import latent_preview
+import torch
 from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
-from ..core import memory, quant_cache
+from ..core import memory, quant, quant_cache
 from ..core.cache import cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
 from . import memory_manager
 
 CATEGORY = "PixArt-Σ low VRAM"
 SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
+# The choice of a single file input (t5_file, transformer_file, vae_file) that means the model's own folder.
+FROM_MODEL = "(from model)"
 
 PixArtEmbeds = io.Custom("PIXART_EMBEDS")
 
@@ -48,6 +53,13 @@ def keep_loaded_input() -> io.Boolean.Input:
         tooltip="Keep the model in memory for the next prompt instead of unloading it when done. ComfyUI "
         "unloads it like its own models when it needs the memory; Free VRAM, the Unload Models button and "
         "POST /free release it.",
+    )
+
+
+def quantization_input(offered: dict[str, quant.Scheme]) -> io.Combo.Input:
+    """A stage's quantization choice, its options and tooltip from the stage's scheme table."""
+    return io.Combo.Input(
+        "quantization", options=list(offered), default=next(iter(offered)), tooltip=quant.tooltip(offered)
     )
 
 
@@ -97,12 +109,23 @@ def begin_stage(dynprompt) -> memory.MemoryReport:
     return report()
 
 
+@contextlib.contextmanager
+def comfy_advice() -> Iterator[None]:
+    """A stage's out-of-memory error, with how a ComfyUI user frees the memory other models hold."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as exc:
+        raise torch.cuda.OutOfMemoryError(
+            f"{exc} In ComfyUI: put Free VRAM before this node, or unload models (POST /free)."
+        ) from exc
+
+
 def stage_progress():
     """ComfyUI's progress bar for a stage without steps (T5 Encode, VAE Decode): it moves when the model is
     loaded and when the stage is done, and a Cancel stops the stage at those points."""
     bars: list = []
 
-    def on_progress(done: int, total: int) -> None:
+    def on_progress(done: int, total: int, _latents=None) -> None:
         comfy.model_management.throw_exception_if_processing_interrupted()
         if not bars:
             bars.append(comfy.utils.ProgressBar(total))

@@ -6,7 +6,7 @@ import folder_paths
 import torch
 from comfy_api.latest import io, ui
 
-from ..core import memory
+from ..core import timeline
 from . import common
 
 _ANY = io.MatchType.Template("value")
@@ -45,7 +45,7 @@ class MemorySnapshot(io.ComfyNode):
 
     @classmethod
     def execute(cls, value, filename_prefix) -> io.NodeOutput:
-        record = memory.write_record(
+        record = timeline.write_record(
             common.report(), Path(folder_paths.get_output_directory()), filename_prefix
         )
         image = torch.from_numpy(record.picture).float().div(255).unsqueeze(0)  # IMAGE [1, H, W, 3]

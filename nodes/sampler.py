@@ -3,14 +3,13 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..core import sampler
+from ..core import contract, sampler, schedulers
 from ..core.quant import TRANSFORMER_SCHEMES
 from . import common
 
 # validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
 # input that is not linked.
 _NOT_LINKED = object()
-FROM_MODEL = "(from model)"
 # Where ComfyUI keeps single-file diffusion models: Load Diffusion Model's folder, then full checkpoints.
 TRANSFORMER_FOLDERS = ("diffusion_models", "checkpoints")
 
@@ -27,7 +26,7 @@ def transformer_files() -> list[str]:
 
 
 def transformer_path(name: str) -> str | None:
-    if name == FROM_MODEL:
+    if name == common.FROM_MODEL:
         return None
     for folder in TRANSFORMER_FOLDERS:
         path = folder_paths.get_full_path(folder, name)
@@ -35,7 +34,7 @@ def transformer_path(name: str) -> str | None:
             return path
     raise FileNotFoundError(
         f"transformer_file {name!r} is in neither models/diffusion_models nor models/checkpoints; put it there "
-        f"or choose {FROM_MODEL!r}."
+        f"or choose {common.FROM_MODEL!r}."
     )
 
 
@@ -43,10 +42,10 @@ def _size_input(name: str) -> io.Int.Input:
     return io.Int.Input(
         name,
         default=1024,
-        min=sampler.MIN_SIZE,
-        max=sampler.MAX_SIZE,
-        step=sampler.SIZE_MULTIPLE,
-        tooltip=f"Image {name} in pixels, a multiple of {sampler.SIZE_MULTIPLE}. Used when resolution is "
+        min=contract.MIN_SIZE,
+        max=contract.MAX_SIZE,
+        step=contract.SIZE_MULTIPLE,
+        tooltip=f"Image {name} in pixels, a multiple of {contract.SIZE_MULTIPLE}. Used when resolution is "
         f"custom and no latent is connected.",
     )
 
@@ -94,13 +93,8 @@ class QuantoPixArtSampler(io.ComfyNode):
                 io.Int.Input(
                     "batch_size", default=1, min=1, max=sampler.MAX_BATCH, tooltip="Images per prompt."
                 ),
-                io.Combo.Input(
-                    "weights",
-                    options=list(TRANSFORMER_SCHEMES),
-                    default=TRANSFORMER_SCHEMES[0],
-                    tooltip="qint8: optimum-quanto int8 weights, proj_out kept (the recipe's default). qfloat8: "
-                    "float8 weights. none: fp16 on a GPU, bf16 on the CPU.",
-                ),
+                # Named `weights` before; at the same place, so saved workflows keep their value.
+                common.quantization_input(TRANSFORMER_SCHEMES),
                 common.keep_loaded_input(),
                 # Optional and after the others, so workflows saved before they existed still load.
                 io.Latent.Input(
@@ -126,8 +120,8 @@ class QuantoPixArtSampler(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "scheduler",
-                    options=list(sampler.SCHEDULERS),
-                    default=sampler.DEFAULT_SCHEDULER,
+                    options=list(schedulers.SCHEDULERS),
+                    default=schedulers.DEFAULT_SCHEDULER,
                     optional=True,
                     tooltip="dpmsolver++: the model's own scheduler (DPM-Solver++ 2M). The others are built from "
                     "its config; euler_ancestral and dpmsolver++_sde add seeded noise at every step.",
@@ -145,8 +139,8 @@ class QuantoPixArtSampler(io.ComfyNode):
                 common.low_vram_input("the transformer's 28 blocks"),
                 io.Combo.Input(
                     "transformer_file",
-                    options=[FROM_MODEL, *transformer_files()],
-                    default=FROM_MODEL,
+                    options=[common.FROM_MODEL, *transformer_files()],
+                    default=common.FROM_MODEL,
                     optional=True,
                     tooltip="(from model): the model folder's transformer/. Or a PixArt-Σ transformer as one "
                     ".safetensors file from models/diffusion_models or models/checkpoints (the original checkpoint "
@@ -189,8 +183,8 @@ class QuantoPixArtSampler(io.ComfyNode):
                 width, height = sampler.preset_size(resolution, width, height)
             sampler.check_denoise(denoise, has_latent)
             if not has_latent and not native:
-                sampler.check_size("width", width)
-                sampler.check_size("height", height)
+                contract.check_size("width", width)
+                contract.check_size("height", height)
         except (TypeError, ValueError) as exc:
             return str(exc)
         return True
@@ -206,45 +200,47 @@ class QuantoPixArtSampler(io.ComfyNode):
         cfg,
         seed,
         batch_size,
-        weights,
+        quantization,
         keep_loaded,
         latent=None,
         resolution=sampler.CUSTOM_RESOLUTION,
-        scheduler=sampler.DEFAULT_SCHEDULER,
+        scheduler=schedulers.DEFAULT_SCHEDULER,
         denoise=1.0,
         low_vram=False,
-        transformer_file=FROM_MODEL,
+        transformer_file=common.FROM_MODEL,
         fast=False,
     ) -> io.NodeOutput:
-        source, file = common.resolve(model), transformer_path(transformer_file)
-        if resolution == sampler.NATIVE_RESOLUTION:
-            width = height = sampler.native_size(source, file)
-        else:
-            width, height = sampler.preset_size(resolution, width, height)
         report = common.begin_stage(cls.hidden.dynprompt)
-        warnings: list[str] = []
-        samples = sampler.sample(
-            source,
-            embeds,
-            width=width,
-            height=height,
+        # A linked latent sets the size: the width and height widgets are not used then.
+        sized = latent is None
+        settings = sampler.SamplerSettings(
+            common.resolve(model),
+            width=width if sized else None,
+            height=height if sized else None,
+            resolution=resolution if sized else sampler.CUSTOM_RESOLUTION,
             steps=steps,
             cfg=cfg,
             seed=seed,
             batch_size=batch_size,
             scheduler=scheduler,
-            init_latents=None if latent is None else latent["samples"],
             denoise=denoise,
-            quantization=weights,
+            quantization=quantization,
             device=common.device(),
             keep_loaded=keep_loaded,
-            on_step=common.step_callback(sampler.steps_to_run(steps, denoise)),
-            report=report,
             low_vram=low_vram,
-            transformer_file=file,
-            on_warning=warnings.append,
             fast=fast,
+            transformer_file=transformer_path(transformer_file),
         )
+        warnings: list[str] = []
+        with common.comfy_advice():
+            samples = sampler.sample(
+                settings,
+                embeds,
+                init_latents=None if latent is None else latent["samples"],
+                report=report,
+                on_warning=warnings.append,
+                on_progress=common.step_callback(schedulers.steps_to_run(steps, denoise)),
+            )
         # Shown on the node: a size far from the model's own.
         shown = ui.PreviewText("\n".join(warnings)) if warnings else None
         return io.NodeOutput({"samples": samples}, ui=shown)

@@ -10,8 +10,6 @@ from ..core import conditioning, text_encoder
 from ..core.quant import TEXT_ENCODER_SCHEMES
 from . import common
 
-FROM_MODEL = "(from model)"
-
 
 def t5_files() -> list[str]:
     """The safetensors files in ComfyUI's models/text_encoders folders (.bin/.pt are never offered)."""
@@ -48,19 +46,12 @@ class QuantizedT5Encode(io.ComfyNode):
                     default="",
                     tooltip="What to steer away from (may be empty).",
                 ),
-                io.Combo.Input(
-                    "quantization",
-                    options=list(TEXT_ENCODER_SCHEMES),
-                    default=TEXT_ENCODER_SCHEMES[0],
-                    tooltip="nf4: bitsandbytes 4-bit NormalFloat, double quant, bf16 compute, every linear layer "
-                    "(smallest). nf4-recipe: the notebook recipe's nf4, T5's wo projections left in bf16 (+1.5 GB). "
-                    "fp4: 4-bit float. int8: bitsandbytes 8-bit, wo left in bf16. none: bf16 weights (largest).",
-                ),
+                common.quantization_input(TEXT_ENCODER_SCHEMES),
                 common.keep_loaded_input(),
                 io.Combo.Input(
                     "t5_file",
-                    options=[FROM_MODEL, *t5_files()],
-                    default=FROM_MODEL,
+                    options=[common.FROM_MODEL, *t5_files()],
+                    default=common.FROM_MODEL,
                     optional=True,
                     tooltip="(from model): T5 from the model's text_encoder/ folder. Or a T5-XXL file from "
                     "models/text_encoders (t5xxl_fp16, t5xxl_fp8_e4m3fn, bf16, as SD3 and Flux use): quantized as "
@@ -91,28 +82,38 @@ class QuantizedT5Encode(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, model, prompt, negative_prompt, quantization, keep_loaded, t5_file=FROM_MODEL, low_vram=False
+        cls,
+        model,
+        prompt,
+        negative_prompt,
+        quantization,
+        keep_loaded,
+        t5_file=common.FROM_MODEL,
+        low_vram=False,
     ) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
-        t5_path = (
-            None if t5_file == FROM_MODEL else folder_paths.get_full_path_or_raise("text_encoders", t5_file)
-        )
-        warnings: list[str] = []
-        embeds = text_encoder.encode(
+        settings = text_encoder.EncoderSettings(
             common.resolve(model),
-            prompt,
-            negative_prompt,
             quantization=quantization,
             device=common.device(),
             keep_loaded=keep_loaded,
-            quant_cache_dir=common.quant_cache_dir(),
-            report=report,
-            t5_file=t5_path,
-            tokenizer_fallback=comfy_t5_tokenizer(),
             low_vram=low_vram,
-            on_warning=warnings.append,
-            on_progress=common.stage_progress(),
+            t5_file=None
+            if t5_file == common.FROM_MODEL
+            else folder_paths.get_full_path_or_raise("text_encoders", t5_file),
+            quant_cache=common.quant_cache_dir(),
+            tokenizer_fallback=comfy_t5_tokenizer(),
         )
+        warnings: list[str] = []
+        with common.comfy_advice():
+            embeds = text_encoder.encode(
+                settings,
+                prompt,
+                negative_prompt,
+                report=report,
+                on_warning=warnings.append,
+                on_progress=common.stage_progress(),
+            )
         # Shown on the node: a prompt cut at 300 tokens.
         shown = ui.PreviewText("\n".join(warnings)) if warnings else None
         return io.NodeOutput(embeds, *conditioning.core_conditioning(embeds), ui=shown)

@@ -6,6 +6,8 @@ from comfy_api.latest import io
 from ..core import vae
 from . import common
 
+LEGACY_FROM_MODEL = "(model folder)"  # vae_file's name for common.FROM_MODEL in earlier versions
+
 
 class PixArtVAEDecode(io.ComfyNode):
     @classmethod
@@ -30,12 +32,12 @@ class PixArtVAEDecode(io.ComfyNode):
                 # New inputs go last: saved workflows list widget values by position.
                 io.Combo.Input(
                     "vae_file",
-                    options=[vae.FROM_MODEL, *folder_paths.get_filename_list("vae")],
-                    default=vae.FROM_MODEL,
+                    options=[common.FROM_MODEL, *vae_files()],
+                    default=common.FROM_MODEL,
                     optional=True,
                     tooltip="The SDXL VAE as one .safetensors file from models/vae (e.g. sdxl_vae.safetensors, "
                     "original or diffusers key layout), decoding with the model folder's VAE config; "
-                    f"{vae.FROM_MODEL} uses the model's own vae/.",
+                    f"{common.FROM_MODEL} uses the model's own vae/.",
                 ),
             ],
             outputs=[io.Image.Output(tooltip="Images [batch, height, width, 3], 0..1, on the CPU.")],
@@ -43,20 +45,31 @@ class PixArtVAEDecode(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, latent, keep_loaded, tiling="auto", vae_file=vae.FROM_MODEL) -> io.NodeOutput:
+    def validate_inputs(cls, vae_file=common.FROM_MODEL) -> bool | str:
+        # Naming vae_file here makes ComfyUI leave its list check to this function: workflows saved when the
+        # choice was called "(model folder)" keep loading.
+        if vae_file in (common.FROM_MODEL, LEGACY_FROM_MODEL, None) or vae_file in vae_files():
+            return True
+        return f"vae_file {vae_file!r} is not in ComfyUI's vae folders. {vae.VAE_FILE_HINT}"
+
+    @classmethod
+    def execute(cls, model, latent, keep_loaded, tiling="auto", vae_file=common.FROM_MODEL) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         samples = latent.get("samples") if isinstance(latent, dict) else latent
-        images = vae.decode(
+        settings = vae.DecoderSettings(
             common.resolve(model),
-            samples,
             device=common.device(),
             keep_loaded=keep_loaded,
             tiling=tiling,
-            report=report,
-            vae_file=None if vae_file in (None, vae.FROM_MODEL) else vae_path(vae_file),
-            on_progress=common.stage_progress(),
+            vae_file=None if vae_file in (None, common.FROM_MODEL, LEGACY_FROM_MODEL) else vae_path(vae_file),
         )
+        with common.comfy_advice():
+            images = vae.decode(settings, samples, report=report, on_progress=common.stage_progress())
         return io.NodeOutput(images)
+
+
+def vae_files() -> list[str]:
+    return folder_paths.get_filename_list("vae")
 
 
 def vae_path(name: str) -> str:

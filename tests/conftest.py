@@ -26,7 +26,7 @@ PROMPT = "a photo of a red cat in a garden"
 NEGATIVE = "dark"
 # The tiny preset's transformer has sample_size 8: 64 px is its native size.
 SIZE = 64
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 
 
 @pytest.fixture(scope="session")
@@ -58,9 +58,9 @@ def sdxl_vae_file(tmp_path_factory: pytest.TempPathFactory, tiny_folder: Path) -
 def reference(tiny: ModelSource) -> SimpleNamespace:
     """The fp32, unquantized chain at the settings below; what quantized runs are measured against."""
     settings = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
-    embeds = text_encoder.encode(tiny, PROMPT, NEGATIVE, **FP32)
-    latents = sampler.sample(tiny, embeds, **settings, **FP32)
-    images = vae.decode(tiny, latents, device="cpu", dtype=torch.float32)
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), PROMPT, NEGATIVE)
+    latents = sampler.sample(sampler.SamplerSettings(tiny, **settings, **FP32), embeds)
+    images = vae.decode(vae.DecoderSettings(tiny, device="cpu", precision=torch.float32), latents)
     return SimpleNamespace(
         prompt=PROMPT,
         negative=NEGATIVE,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import contract, sampler, text_encoder, vae
 
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 DEFAULTS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 0, "batch_size": 1}
 AT_BOUNDS = [
-    ("width", sampler.MIN_SIZE),
-    ("width", sampler.MAX_SIZE),
-    ("height", sampler.MIN_SIZE),
-    ("height", sampler.MAX_SIZE),
+    ("width", contract.MIN_SIZE),
+    ("width", contract.MAX_SIZE),
+    ("height", contract.MIN_SIZE),
+    ("height", contract.MAX_SIZE),
     ("steps", 1),
     ("steps", sampler.MAX_STEPS),
     ("cfg", 0.0),
@@ -30,9 +30,9 @@ AT_BOUNDS = [
     ("batch_size", sampler.MAX_BATCH),
 ]
 BEYOND = [
-    ("width", sampler.MIN_SIZE - sampler.SIZE_MULTIPLE, "out of range"),
-    ("width", sampler.MAX_SIZE + sampler.SIZE_MULTIPLE, "out of range"),
-    ("height", sampler.MAX_SIZE + sampler.SIZE_MULTIPLE, "out of range"),
+    ("width", contract.MIN_SIZE - contract.SIZE_MULTIPLE, "out of range"),
+    ("width", contract.MAX_SIZE + contract.SIZE_MULTIPLE, "out of range"),
+    ("height", contract.MAX_SIZE + contract.SIZE_MULTIPLE, "out of range"),
     ("steps", sampler.MAX_STEPS + 1, "out of range"),
     ("steps", 2.5, "whole number"),
     ("cfg", sampler.MAX_CFG + 0.01, "out of range"),
@@ -44,8 +44,8 @@ BEYOND = [
 
 
 @pytest.mark.parametrize(("name", "value"), AT_BOUNDS)
-def test_numeric_settings_at_their_bounds_are_accepted(name, value):
-    sampler.check_settings(**{**DEFAULTS, name: value})
+def test_numeric_settings_at_their_bounds_are_accepted(tiny, name, value):
+    sampler.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32)
 
 
 @pytest.mark.parametrize(("name", "value", "problem"), BEYOND)
@@ -53,7 +53,7 @@ def test_numeric_settings_beyond_their_bounds_are_refused_before_loading(
     tiny, reference, load_spy, name, value, problem
 ):
     with pytest.raises((TypeError, ValueError)) as info:
-        sampler.sample(tiny, reference.embeds, **{**DEFAULTS, name: value}, **FP32)
+        sampler.sample(sampler.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32), reference.embeds)
     message = str(info.value)
     assert message.startswith(name) and problem in message, message
     assert load_spy.total() == 0
@@ -68,7 +68,9 @@ def test_denoise_at_and_within_its_bounds(denoise):
 def test_denoise_beyond_its_bounds_is_refused_before_loading(tiny, reference, load_spy, denoise):
     with pytest.raises((TypeError, ValueError)) as info:
         sampler.sample(
-            tiny, reference.embeds, **DEFAULTS, init_latents=reference.latents, denoise=denoise, **FP32
+            sampler.SamplerSettings(tiny, **DEFAULTS, denoise=denoise, **FP32),
+            reference.embeds,
+            init_latents=reference.latents,
         )
     assert str(info.value).startswith("denoise"), info.value
     assert load_spy.total() == 0
@@ -76,7 +78,9 @@ def test_denoise_beyond_its_bounds_is_refused_before_loading(tiny, reference, lo
 
 def test_denoise_zero_returns_the_latent_without_loading(tiny, reference, load_spy):
     latents = sampler.sample(
-        tiny, reference.embeds, **DEFAULTS, init_latents=reference.latents, denoise=0.0, **FP32
+        sampler.SamplerSettings(tiny, **DEFAULTS, denoise=0.0, **FP32),
+        reference.embeds,
+        init_latents=reference.latents,
     )
     assert torch.equal(latents, reference.latents)
     assert load_spy.total() == 0
@@ -110,11 +114,9 @@ def test_a_size_far_from_the_models_own_warns_and_runs(tiny, reference, caplog):
     assert tiny.native_size == 64
     warnings: list[str] = []
     latents = sampler.sample(
-        tiny,
+        sampler.SamplerSettings(tiny, **{**DEFAULTS, "width": 256, "height": 256}, **FP32),
         reference.embeds,
-        **{**DEFAULTS, "width": 256, "height": 256},
         on_warning=warnings.append,
-        **FP32,
     )
     assert latents.shape == (1, 4, 32, 32) and torch.isfinite(latents).all()
     [warning] = warnings
@@ -122,7 +124,9 @@ def test_a_size_far_from_the_models_own_warns_and_runs(tiny, reference, caplog):
     assert warning in caplog.text
 
     warnings.clear()
-    sampler.sample(tiny, reference.embeds, **DEFAULTS, on_warning=warnings.append, **FP32)
+    sampler.sample(
+        sampler.SamplerSettings(tiny, **DEFAULTS, **FP32), reference.embeds, on_warning=warnings.append
+    )
     assert warnings == []
 
 
@@ -131,7 +135,9 @@ def test_a_size_far_from_the_models_own_warns_and_runs(tiny, reference, caplog):
 
 def test_empty_prompt_encodes_as_the_empty_string(tiny):
     warnings: list[str] = []
-    embeds = text_encoder.encode(tiny, "", "", on_warning=warnings.append, **FP32)
+    embeds = text_encoder.encode(
+        text_encoder.EncoderSettings(tiny, **FP32), "", "", on_warning=warnings.append
+    )
     assert embeds.prompt_embeds.shape[1] == text_encoder.MAX_TOKENS
     # Only the end-of-text token is attended to.
     assert embeds.prompt_mask.sum().item() == 1 and embeds.negative_mask.sum().item() == 1
@@ -148,8 +154,9 @@ def test_prompt_past_300_tokens_is_cut_with_a_warning(tiny, which, caplog):
     text = long_text(200)
     warnings: list[str] = []
     texts = {"prompt": "a cat", "negative_prompt": "", which: text}
+    settings = text_encoder.EncoderSettings(tiny, **FP32)
     embeds = text_encoder.encode(
-        tiny, texts["prompt"], texts["negative_prompt"], on_warning=warnings.append, **FP32
+        settings, texts["prompt"], texts["negative_prompt"], on_warning=warnings.append
     )
     [warning] = warnings
     assert warning.startswith(f"{which} is ") and "T5 reads the first 300" in warning, warning
@@ -161,7 +168,7 @@ def test_prompt_past_300_tokens_is_cut_with_a_warning(tiny, which, caplog):
 
     # What was cut does not change the embeddings.
     texts[which] = text + " and a dog"
-    longer = text_encoder.encode(tiny, texts["prompt"], texts["negative_prompt"], **FP32)
+    longer = text_encoder.encode(settings, texts["prompt"], texts["negative_prompt"])
     assert torch.equal(longer.prompt_embeds, embeds.prompt_embeds)
     assert torch.equal(longer.negative_embeds, embeds.negative_embeds)
 
@@ -183,7 +190,7 @@ def test_prompt_of_exactly_300_tokens_is_not_cut(tiny):
 @pytest.mark.parametrize("samples", [None, [[0.0]], {"samples": None}, "latent"])
 def test_decode_of_a_non_tensor_names_the_latent(tiny, load_spy, samples):
     with pytest.raises(TypeError) as info:
-        vae.decode(tiny, samples, device="cpu")
+        vae.decode(vae.DecoderSettings(tiny, device="cpu"), samples)
     assert "latent must hold a tensor under 'samples'" in str(info.value)
     assert type(samples).__name__ in str(info.value)
     assert load_spy.total() == 0
@@ -192,5 +199,5 @@ def test_decode_of_a_non_tensor_names_the_latent(tiny, load_spy, samples):
 @pytest.mark.parametrize("prompt", [None, 3, ["a cat"]])
 def test_a_prompt_that_is_not_text(tiny, load_spy, prompt):
     with pytest.raises(TypeError, match="prompt must be text"):
-        text_encoder.encode(tiny, prompt, "", **FP32)
+        text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), prompt, "")
     assert load_spy.total() == 0

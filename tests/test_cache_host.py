@@ -12,6 +12,7 @@ from vae_layout import to_original_layout
 
 from pixart_lowvram.core import estimates, vae
 from pixart_lowvram.core.cache import ModelCache
+from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES
 
 GPU = torch.device("cuda", 0)
 
@@ -72,31 +73,41 @@ def test_without_a_host_nothing_is_asked():
     assert cache.keys() == ["k"]
 
 
+def images_pixels(latents: torch.Tensor) -> tuple[int, int]:
+    """estimates.transformer's (images, pixels) for a batch of latents."""
+    return latents.shape[0], (latents.shape[-1] * 8) * (latents.shape[-2] * 8)
+
+
 def test_estimates_follow_the_measured_peaks():
     gib = estimates.GIB
-    assert sum(estimates.text_encoder("nf4", torch.bfloat16)) == pytest.approx(2.7 * gib, rel=0.01)
-    assert sum(estimates.text_encoder("none", torch.float32)) == 2 * sum(
-        estimates.text_encoder("none", torch.bfloat16)
+    t5, dit = TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES
+    assert sum(estimates.text_encoder(t5["nf4"], torch.bfloat16)) == pytest.approx(2.7 * gib, rel=0.01)
+    assert sum(estimates.text_encoder(t5["none"], torch.float32)) == 2 * sum(
+        estimates.text_encoder(t5["none"], torch.bfloat16)
     )
     latents = torch.empty(1, 4, 128, 128, device="meta")
-    assert sum(estimates.transformer("qint8", torch.float16, latents)) == pytest.approx(0.87 * gib, rel=0.1)
-    assert sum(estimates.transformer("none", torch.float16, latents)) == pytest.approx(1.41 * gib, rel=0.1)
+    assert sum(estimates.transformer(dit["qint8"], torch.float16, *images_pixels(latents))) == pytest.approx(
+        0.87 * gib, rel=0.1
+    )
+    assert sum(estimates.transformer(dit["none"], torch.float16, *images_pixels(latents))) == pytest.approx(
+        1.41 * gib, rel=0.1
+    )
     # The run's part scales with pixels × batch.
     four = torch.empty(2, 4, 256, 128, device="meta")
     assert (
-        estimates.transformer("qint8", torch.float16, four)[1]
-        == 4 * estimates.transformer("qint8", torch.float16, latents)[1]
+        estimates.transformer(dit["qint8"], torch.float16, *images_pixels(four))[1]
+        == 4 * estimates.transformer(dit["qint8"], torch.float16, *images_pixels(latents))[1]
     )
     assert sum(vae.needs(latents, torch.bfloat16, None)) == pytest.approx(2.57 * gib, rel=0.1)
     assert sum(vae.needs(latents, torch.bfloat16, vae.TILE_SIZE)) == pytest.approx(0.80 * gib, rel=0.1)
     # Low-VRAM mode (measured: T5 nf4 0.40 GiB, bf16 0.85 GiB, transformer qint8 0.33 GiB).
-    assert sum(estimates.text_encoder("nf4", torch.bfloat16, low_vram=True)) == pytest.approx(
+    assert sum(estimates.text_encoder(t5["nf4"], torch.bfloat16, low_vram=True)) == pytest.approx(
         0.40 * gib, rel=0.15
     )
-    assert sum(estimates.text_encoder("none", torch.bfloat16, low_vram=True)) == pytest.approx(
+    assert sum(estimates.text_encoder(t5["none"], torch.bfloat16, low_vram=True)) == pytest.approx(
         0.85 * gib, rel=0.15
     )
-    streamed = sum(estimates.transformer("qint8", torch.float16, latents, low_vram=True))
+    streamed = sum(estimates.transformer(dit["qint8"], torch.float16, *images_pixels(latents), low_vram=True))
     assert streamed == pytest.approx(0.33 * gib, rel=0.15)
 
 
@@ -120,13 +131,10 @@ def no_network(monkeypatch):
 
 @pytest.mark.parametrize("layout", ["original_layout", "diffusers_layout"])
 def test_decode_with_a_single_file_equals_the_model_folder(tiny, reference, vae_files, no_network, layout):
-    decoded = vae.decode(
-        tiny,
-        reference.latents,
-        device="cpu",
-        dtype=torch.float32,
-        vae_file=vae_files / f"{layout}.safetensors",
+    settings = vae.DecoderSettings(
+        tiny, device="cpu", precision=torch.float32, vae_file=vae_files / f"{layout}.safetensors"
     )
+    decoded = vae.decode(settings, reference.latents)
     assert torch.equal(decoded, reference.images)
 
 
@@ -140,7 +148,10 @@ def test_a_hub_model_uses_the_bundled_sdxl_config(tiny_folder, vae_files, no_net
     from pixart_lowvram.core.models import ModelSource
 
     hub = ModelSource(name="owner/repo", hub_id="owner/repo")
-    model = vae._load(hub, torch.float32, torch.device("cpu"), vae_files / "original_layout.safetensors")
+    settings = vae.DecoderSettings(
+        hub, device="cpu", precision=torch.float32, vae_file=vae_files / "original_layout.safetensors"
+    )
+    model = vae._load(settings)
     assert model.config.scaling_factor == 0.13025 and model.config.sample_size == 1024
     expected = load_file(tiny_folder / "vae" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
@@ -160,7 +171,7 @@ def test_bad_vae_files_are_refused_before_loading(tiny, tmp_path, load_spy, name
     if content is not None:
         path.write_bytes(content)
     with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
-        vae.decode(tiny, torch.zeros(1, 4, 8, 8), device="cpu", vae_file=path)
+        vae.decode(vae.DecoderSettings(tiny, device="cpu", vae_file=path), torch.zeros(1, 4, 8, 8))
     assert "models/vae" in str(error.value)
     assert load_spy.total() == 0
 
@@ -169,5 +180,5 @@ def test_a_vae_of_another_family_is_refused(tiny, tmp_path, load_spy):
     path = tmp_path / "flux_ae.safetensors"
     save_file({"decoder.conv_in.weight": torch.zeros(512, 16, 3, 3)}, path)
     with pytest.raises(ValueError, match=r"not an SDXL VAE .*\[512, 16, 3, 3\]"):
-        vae.decode(tiny, torch.zeros(1, 4, 8, 8), device="cpu", vae_file=path)
+        vae.decode(vae.DecoderSettings(tiny, device="cpu", vae_file=path), torch.zeros(1, 4, 8, 8))
     assert load_spy.total() == 0

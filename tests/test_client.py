@@ -142,6 +142,25 @@ def test_ui_format_workflow_is_refused(tmp_path):
         client.load_workflow(bad)
 
 
+def test_a_workflow_saved_with_the_old_names_is_upgraded(tmp_path):
+    """Saved before the sampler's ``weights`` became ``quantization`` and the VAE's "(model folder)" became
+    "(from model)": loaded under the current names, the values kept."""
+    old = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
+    sampler = old["2"]["inputs"]
+    old["2"]["inputs"] = {
+        ("weights" if key == "quantization" else key): value for key, value in sampler.items()
+    }
+    old["2"]["inputs"]["weights"] = "qfloat8"
+    old["3"]["inputs"]["vae_file"] = "(model folder)"
+    path = tmp_path / "old_api.json"
+    path.write_text(json.dumps(old))
+    loaded = client.load_workflow(path)
+    assert "weights" not in loaded["2"]["inputs"] and loaded["2"]["inputs"]["quantization"] == "qfloat8"
+    assert loaded["2"]["inputs"] == {**sampler, "quantization": "qfloat8"}, "the other inputs as they were"
+    assert loaded["3"]["inputs"]["vae_file"] == "(from model)"
+    assert loaded["1"] == old["1"] and loaded["5"] == old["5"], "other nodes are left as they were"
+
+
 class FlakyServer:
     """A requests.Session stand-in: POST /prompt fails on the connection ``failures`` times (after
     ``reached`` of those the server had queued the prompt anyway); GET /queue and /history answer from

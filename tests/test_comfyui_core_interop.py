@@ -28,7 +28,7 @@ PROBE = Path(__file__).with_name("core_pixart_probe.py")
 CORE_FILE = "tiny-pixart-sigma.safetensors"
 SIZE = 512  # tiny-core's native size; core's position embedding needs about 320 px or more
 PROMPT = "a photo of a red cat in a garden"
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,11 @@ def test_conditioning_equals_cores_pixart_t5(tmp_path):
     (tmp_path / "no-tokenizer").mkdir()
     (tmp_path / "no-tokenizer" / "model_index.json").write_text("{}")
     tokenizer = Path(os.environ["COMFYUI_PATH"]) / "comfy" / "text_encoders" / "t5_tokenizer"
-    embeds = text_encoder.encode(
-        resolve_model(str(tmp_path / "no-tokenizer")), PROMPT, "", **FP32,
+    settings = text_encoder.EncoderSettings(
+        resolve_model(str(tmp_path / "no-tokenizer")), **FP32,
         t5_file=tmp_path / "t5.safetensors", tokenizer_fallback=tokenizer,
     )  # fmt: skip
+    embeds = text_encoder.encode(settings, PROMPT, "")
     positive, negative = core_conditioning(embeds)
     assert core["t5.1"].shape[1] == negative[0][0].shape[1] == 1
     assert core["t5.0"].shape == positive[0][0].shape
@@ -109,7 +110,7 @@ def test_core_loads_the_converted_file_and_predicts_as_diffusers(tmp_path, core_
     from diffusers import PixArtTransformer2DModel
 
     source = resolve_model(str(core_folder))
-    embeds = text_encoder.encode(source, PROMPT, "", **FP32)
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(source, **FP32), PROMPT, "")
     ((context, _),) = core_conditioning(embeds)[0]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, SIZE // 8, SIZE // 8, generator=generator)
@@ -170,7 +171,7 @@ def our_sampler_prompt(transformer_file: str, prefix: str) -> dict:
             "keep_loaded": False}},
         "2": {"class_type": "PixArtQ_Sampler", "inputs": {
             "model": MODEL, "embeds": ["1", 0], "width": 1024, "height": 1024, "steps": 2, "cfg": 4.5,
-            "seed": 7, "batch_size": 1, "weights": "none", "keep_loaded": False, "resolution": "native",
+            "seed": 7, "batch_size": 1, "quantization": "none", "keep_loaded": False, "resolution": "native",
             "transformer_file": transformer_file}},
         "3": {"class_type": "SaveLatent", "inputs": {"samples": ["2", 0], "filename_prefix": f"latents/{prefix}"}},
     }  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 from comfyui_support import SIZE, basic_prompt, node_id
 from PIL import Image
 
-from pixart_lowvram.core import sampler
+from pixart_lowvram.core import contract, sampler
 
 pytestmark = pytest.mark.comfyui
 
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.comfyui
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("width", sampler.MAX_SIZE + sampler.SIZE_MULTIPLE),
-        ("height", sampler.MIN_SIZE - sampler.SIZE_MULTIPLE),
+        ("width", contract.MAX_SIZE + contract.SIZE_MULTIPLE),
+        ("height", contract.MIN_SIZE - contract.SIZE_MULTIPLE),
         ("height", 100),
         ("steps", 0),
         ("steps", sampler.MAX_STEPS + 1),

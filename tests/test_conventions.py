@@ -8,9 +8,10 @@ import json
 import torch
 
 from pixart_lowvram.core import sampler, text_encoder, vae
-from pixart_lowvram.core.text_encoder import MAX_TOKENS, PixArtEmbeds
+from pixart_lowvram.core.contract import PixArtEmbeds
+from pixart_lowvram.core.text_encoder import MAX_TOKENS
 
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 
 
 def test_latent_is_raw_vae_space(tiny, tiny_folder, reference):
@@ -43,7 +44,8 @@ def test_latent_is_raw_vae_space(tiny, tiny_folder, reference):
 
 
 def test_latent_shape_follows_size_and_batch(tiny, reference):
-    latents = sampler.sample(tiny, reference.embeds, width=96, height=64, steps=1, batch_size=3, **FP32)
+    settings = sampler.SamplerSettings(tiny, width=96, height=64, steps=1, batch_size=3, **FP32)
+    latents = sampler.sample(settings, reference.embeds)
     assert latents.shape == (3, 4, 8, 12)
     assert latents.dtype == torch.float32 and latents.device.type == "cpu"
 
@@ -56,7 +58,8 @@ def test_image_is_bhwc_float32_in_unit_range(reference):
 
 
 def test_decode_accepts_other_dtypes_and_returns_float32(tiny, reference):
-    images = vae.decode(tiny, reference.latents.to(torch.bfloat16), device="cpu", dtype="bf16")
+    settings = vae.DecoderSettings(tiny, device="cpu", precision="bf16")
+    images = vae.decode(settings, reference.latents.to(torch.bfloat16))
     assert images.shape == (1, 64, 64, 3) and images.dtype == torch.float32
 
 
@@ -80,13 +83,13 @@ def test_embeds_are_padded_cpu_tensors(tiny, reference):
 
 
 def test_long_prompt_is_truncated_to_300_tokens(tiny):
-    embeds = text_encoder.encode(tiny, " ".join(["cat"] * 400), **FP32)
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), " ".join(["cat"] * 400))
     assert embeds.prompt_embeds.shape[1] == MAX_TOKENS
     assert int(embeds.prompt_mask.sum()) == MAX_TOKENS
 
 
 def test_empty_prompt_and_negative_are_allowed(tiny):
-    embeds = text_encoder.encode(tiny, "", "", **FP32)
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), "", "")
     assert embeds.prompt_embeds.shape == (1, MAX_TOKENS, embeds.width)
     # The empty string still encodes its end token.
     assert int(embeds.prompt_mask.sum()) == int(embeds.negative_mask.sum()) == 1
@@ -100,8 +103,9 @@ def test_seed_noise_does_not_depend_on_precision(tiny, reference):
     On torch 2.11, ``torch.randn(generator=cpu, dtype=bf16 or fp16)`` draws different numbers from
     fp32 (cosine ~0.06 here); drawing the noise in fp32 keeps the seed's meaning on every torch.
     """
-    latents = sampler.sample(
-        tiny, reference.embeds, **reference.settings, quantization="none", device="cpu", dtype=torch.bfloat16
+    settings = sampler.SamplerSettings(
+        tiny, **reference.settings, quantization="none", device="cpu", precision=torch.bfloat16
     )
+    latents = sampler.sample(settings, reference.embeds)
     cosine = torch.nn.functional.cosine_similarity(latents.flatten(), reference.latents.flatten(), dim=0)
     assert cosine.item() >= 0.999

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, T5EncoderModel
 from pixart_lowvram.core import text_encoder
 from pixart_lowvram.core.conditioning import core_conditioning
 
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def unpadded_t5(t5, text: str) -> torch.Tensor:
     ("prompt", "negative"), [("a photo of a red cat in a garden", ""), ("dog", "dark blue")]
 )
 def test_conditioning_is_the_unpadded_tokens(tiny, t5, prompt, negative):
-    embeds = text_encoder.encode(tiny, prompt, negative, **FP32)
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), prompt, negative)
     positive, negative_cond = core_conditioning(embeds)
     for cond, text, mask in (
         (positive, prompt, embeds.prompt_mask),
@@ -51,13 +51,17 @@ def test_conditioning_is_the_unpadded_tokens(tiny, t5, prompt, negative):
 
 
 def test_an_empty_negative_is_the_end_token_alone(tiny, t5):
-    _positive, negative = core_conditioning(text_encoder.encode(tiny, "a cat", "", **FP32))
+    _positive, negative = core_conditioning(
+        text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), "a cat", "")
+    )
     assert negative[0][0].shape[1] == 1
     assert t5[0]("").input_ids == [t5[0].eos_token_id]
 
 
 def test_nf4_conditioning_is_close_to_the_unquantized(tiny, t5):
-    embeds = text_encoder.encode(tiny, "a photo of a red cat", quantization="nf4", device="cpu")
+    embeds = text_encoder.encode(
+        text_encoder.EncoderSettings(tiny, quantization="nf4", device="cpu"), "a photo of a red cat"
+    )
     ((tensor, _),) = core_conditioning(embeds)[0]
     want = unpadded_t5(t5, "a photo of a red cat")
     assert tensor.shape == want.shape
@@ -65,5 +69,5 @@ def test_nf4_conditioning_is_close_to_the_unquantized(tiny, t5):
 
 
 def test_only_pack_embeddings_are_taken():
-    with pytest.raises(TypeError, match="Quantized T5 Encode"):
+    with pytest.raises(TypeError, match="PIXART_EMBEDS"):
         core_conditioning({"prompt_embeds": torch.zeros(1, 300, 64)})

@@ -16,7 +16,7 @@ from pixart_lowvram.core import sampler
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, plain_linears
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
-FP32 = {"device": "cpu", "dtype": torch.float32}
+FP32 = {"device": "cpu", "precision": torch.float32}
 
 
 @pytest.fixture
@@ -38,16 +38,20 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("quantization", ["qint8", "qfloat8"])
 def test_expanded_blocks_give_the_quantized_latents(tiny, reference, quantization, no_compile):
     options = {**FP32, "quantization": quantization}
-    quanto = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
-    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    quanto = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    fast = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
     # quanto scales the product, the expanded path the weight: the same up to float rounding
     torch.testing.assert_close(fast, quanto, rtol=1e-4, atol=1e-4)
     assert no_compile == [tiny.config("transformer")["num_layers"]]
 
 
 def test_unquantized_fast_path_only_compiles(tiny, reference, no_compile):
-    plain = sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="none")
-    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="none", fast=True)
+    plain = sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none"), reference.embeds
+    )
+    fast = sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none", fast=True), reference.embeds
+    )
     torch.testing.assert_close(fast, plain, rtol=0, atol=0)
     assert no_compile == [tiny.config("transformer")["num_layers"]]
 
@@ -86,20 +90,24 @@ def test_a_weight_without_per_row_scales_is_refused():
 
 def test_fast_and_low_vram_together(tiny, reference, no_compile):
     options = {**FP32, "quantization": "qint8"}
-    fast = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
-    both = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, low_vram=True, **options)
+    fast = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
+    both = sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, fast=True, low_vram=True, **options), reference.embeds
+    )
     torch.testing.assert_close(both, fast, rtol=0, atol=0)
 
 
 def test_fast_model_is_freed_after_its_stage(tiny, reference, load_spy, no_compile):
-    sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
+    sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True), reference.embeds
+    )
     gc.collect()
     assert load_spy.alive("transformer") == [False]
 
 
 def test_fast_must_be_a_flag(tiny, reference):
     with pytest.raises(TypeError, match="fast must be true or false"):
-        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, fast="yes")
+        sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast="yes"), reference.embeds)
 
 
 @pytest.fixture
@@ -121,14 +129,16 @@ def graphs(monkeypatch):
 
 def test_compiled_blocks_give_the_eager_latents_and_a_reload_compiles_nothing(tiny, reference, graphs):
     options = {**FP32, "quantization": "qint8"}
-    eager = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
-    compiled = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    eager = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    compiled = sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
+    )
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     traced = len(graphs)
     assert traced
     # The next prompt loads the transformer again (keep_loaded off): its blocks reuse the graphs, so
     # prompts never pile up compiles (torch.compile falls back to eager after 8 per function).
-    again = sampler.sample(tiny, reference.embeds, **SETTINGS, fast=True, **options)
+    again = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
     torch.testing.assert_close(again, compiled, rtol=0, atol=0)
     assert len(graphs) == traced
 
@@ -139,12 +149,12 @@ def test_all_blocks_share_their_graphs(tiny, graphs):
     nothing."""
     from diffusers import PixArtTransformer2DModel
 
-    from pixart_lowvram.core.quant import Quantization
+    from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, choose
 
     config = dict(tiny.config("transformer"), num_layers=6)
     model = sampler.prepare(
         PixArtTransformer2DModel.from_config(config),
-        Quantization("qint8", torch.device("cpu"), ("qint8",)),
+        choose("qint8", TRANSFORMER_SCHEMES, torch.device("cpu")),
         torch.device("cpu"),
         fast=True,
     )
@@ -169,5 +179,8 @@ def test_a_compiler_failure_names_the_fast_option(tiny, reference, monkeypatch):
     torch._dynamo.reset()
     message = r"fast: torch.compile failed on this machine \(RuntimeError: no C compiler\)\. Turn the sampler's fast"
     with pytest.raises(RuntimeError, match=message):
-        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, quantization="qint8", fast=True)
+        sampler.sample(
+            sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True),
+            reference.embeds,
+        )
     torch._dynamo.reset()

@@ -20,12 +20,14 @@ from pixart_lowvram.core import memory, sampler, text_encoder, vae
 from pixart_lowvram.core.cache import cache
 from pixart_lowvram.core.models import resolve_model
 
-FP32 = {"device": "cpu", "dtype": torch.float32}
+FP32 = {"device": "cpu", "precision": torch.float32}
+# What core's advice says where a node adds "In ComfyUI: put Free VRAM before this node ...".
+FREE_OTHERS = "free the GPU memory other models hold"
 # The stage's name in the report, the module whose _load loads it, and words its advice must hold.
 STAGES = {
-    "text_encoder": ("t5_encode", text_encoder, ("low_vram", "nf4", "Free VRAM")),
-    "transformer": ("sample", sampler, ("low_vram", "width, height or batch_size", "Free VRAM")),
-    "vae": ("vae_decode", vae, ("tiling", "width, height or batch_size", "Free VRAM")),
+    "text_encoder": ("t5_encode", text_encoder, ("low_vram", "nf4", FREE_OTHERS)),
+    "transformer": ("sample", sampler, ("low_vram", "width, height or batch_size", FREE_OTHERS)),
+    "vae": ("vae_decode", vae, ("tiling", "width, height or batch_size", FREE_OTHERS)),
 }
 WEIGHTS = {
     "text_encoder": "model.safetensors",
@@ -34,15 +36,15 @@ WEIGHTS = {
 }
 
 
-def run(stage: str, source, reference, **options):
+def run(stage: str, source, reference, report=None, **options):
     options = {**FP32, **options}
     if stage == "text_encoder":
-        return text_encoder.encode(
-            source, reference.prompt, reference.negative, quantization="none", **options
-        )
+        settings = text_encoder.EncoderSettings(source, quantization="none", **options)
+        return text_encoder.encode(settings, reference.prompt, reference.negative, report=report)
     if stage == "transformer":
-        return sampler.sample(source, reference.embeds, **reference.settings, quantization="none", **options)
-    return vae.decode(source, reference.latents, **options)
+        settings = sampler.SamplerSettings(source, **reference.settings, quantization="none", **options)
+        return sampler.sample(settings, reference.embeds, report=report)
+    return vae.decode(vae.DecoderSettings(source, **options), reference.latents, report=report)
 
 
 def same_as_reference(stage: str, result, reference) -> bool:

@@ -29,9 +29,11 @@ def cuda() -> torch.device:
 
 
 def run_chain(source, device, report=None, **options):
-    embeds = text_encoder.encode(source, "a red cat", "dark", device=device, report=report, **options)
-    latents = sampler.sample(source, embeds, **SETTINGS, device=device, report=report, **options)
-    return vae.decode(source, latents, device=device, report=report, **options)
+    encoding = text_encoder.EncoderSettings(source, device=device, **options)
+    embeds = text_encoder.encode(encoding, "a red cat", "dark", report=report)
+    sampling = sampler.SamplerSettings(source, **SETTINGS, device=device, **options)
+    latents = sampler.sample(sampling, embeds, report=report)
+    return vae.decode(vae.DecoderSettings(source, device=device, **options), latents, report=report)
 
 
 def test_stages_report_cuda_peaks(tiny, cuda):
@@ -52,7 +54,7 @@ def test_stages_report_cuda_peaks(tiny, cuda):
 def test_snapshot_pickle_is_written(tiny, cuda, tmp_path):
     assert memory.history.ensure("test") is True
     try:
-        text_encoder.encode(tiny, "a red cat", device=cuda)
+        text_encoder.encode(text_encoder.EncoderSettings(tiny, device=cuda), "a red cat")
     finally:
         # dump() also stops the recording.
         dumped = memory.history.dump(tmp_path / "snapshot.pickle")
@@ -73,10 +75,12 @@ def _settled(run) -> int:
 def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
     def run(keep_loaded=False):
         if stage == "text_encoder":
-            return text_encoder.encode(tiny, "a red cat", device=cuda, keep_loaded=keep_loaded)
+            settings = text_encoder.EncoderSettings(tiny, device=cuda, keep_loaded=keep_loaded)
+            return text_encoder.encode(settings, "a red cat")
         if stage == "transformer":
-            return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, keep_loaded=keep_loaded)
-        return vae.decode(tiny, reference.latents, device=cuda, keep_loaded=keep_loaded)
+            settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, keep_loaded=keep_loaded)
+            return sampler.sample(settings, reference.embeds)
+        return vae.decode(vae.DecoderSettings(tiny, device=cuda, keep_loaded=keep_loaded), reference.latents)
 
     baseline = _settled(run)
     assert _settled(run) == baseline, "a stage left device memory allocated"
@@ -88,15 +92,17 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
 
 
 def test_failed_sample_returns_device_memory(tiny, reference, cuda):
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda)
+
     def run():
-        return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda)
+        return sampler.sample(settings, reference.embeds)
 
     def stop(step, total, latents):
         raise RuntimeError("stop")
 
     baseline = _settled(run)
     with pytest.raises(RuntimeError, match="stop"):
-        sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, on_step=stop)
+        sampler.sample(settings, reference.embeds, on_progress=stop)
     gc.collect()
     assert torch.cuda.memory_allocated() == baseline
 
@@ -168,10 +174,10 @@ def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda,
 
     def run(low_vram):
         if stage == "text_encoder":
-            return text_encoder.encode(
-                tiny, "a red cat", "dark", device=cuda, low_vram=low_vram
-            ).prompt_embeds
-        return sampler.sample(tiny, reference.embeds, **SETTINGS, device=cuda, low_vram=low_vram)
+            settings = text_encoder.EncoderSettings(tiny, device=cuda, low_vram=low_vram)
+            return text_encoder.encode(settings, "a red cat", "dark").prompt_embeds
+        settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, low_vram=low_vram)
+        return sampler.sample(settings, reference.embeds)
 
     whole = run(False)
     baseline = _settled(lambda: run(True))
@@ -188,9 +194,11 @@ def test_fast_path_compiles_matches_and_returns_memory(tiny, reference, cuda, lo
     """The fast sampler path with inductor on the GPU (streamed too): the quantized path's latents, and
     nothing left allocated afterwards."""
     options = {**SETTINGS, "device": cuda, "quantization": "qint8", "low_vram": low_vram}
-    quanto = sampler.sample(tiny, reference.embeds, **options)
-    baseline = _settled(lambda: sampler.sample(tiny, reference.embeds, **options, fast=True))
-    fast = sampler.sample(tiny, reference.embeds, **options, fast=True)
+    quantized = sampler.SamplerSettings(tiny, **options)
+    compiled = sampler.SamplerSettings(tiny, **options, fast=True)
+    quanto = sampler.sample(quantized, reference.embeds)
+    baseline = _settled(lambda: sampler.sample(compiled, reference.embeds))
+    fast = sampler.sample(compiled, reference.embeds)
     assert torch.cuda.memory_allocated() == baseline, "the fast path left device memory allocated"
     assert _cosine(fast, quanto) > 0.9999
 
@@ -204,11 +212,12 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
     def run(big: bool):
         if stage == "sample":
             size = 2048 if big else SETTINGS["width"]
-            return sampler.sample(
-                tiny, reference.embeds, **{**SETTINGS, "width": size, "height": size}, device=cuda
+            settings = sampler.SamplerSettings(
+                tiny, **{**SETTINGS, "width": size, "height": size}, device=cuda
             )
+            return sampler.sample(settings, reference.embeds)
         latents = torch.zeros(1, 4, 256, 256) if big else reference.latents
-        return vae.decode(tiny, latents, device=cuda, tiling="off")
+        return vae.decode(vae.DecoderSettings(tiny, device=cuda, tiling="off"), latents)
 
     run(big=False)
     gc.collect()
@@ -224,7 +233,9 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     message = str(info.value)
     assert f"stage {stage} ran out of GPU memory" in message, message
-    assert ("tiling" if stage == "vae_decode" else "low_vram") in message and "Free VRAM" in message
+    assert ("tiling" if stage == "vae_decode" else "low_vram") in message and (
+        "free the GPU memory other models hold" in message
+    )
     # The exception is still alive here: it must not hold the model. What it may hold are the sampler's own
     # few hundred bytes (the scheduler's timesteps on the device, in sample()'s frame: 512 B measured on an
     # H200), until it is dropped, as ComfyUI drops it once the error is shown.

@@ -39,9 +39,13 @@ def block_log(monkeypatch):
 
 @pytest.mark.parametrize("quantization", ["none", "nf4"])
 def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, block_log):
-    options = {"device": "cpu", "dtype": torch.float32, "quantization": quantization}
-    plain = text_encoder.encode(tiny, reference.prompt, reference.negative, **options)
-    streamed = text_encoder.encode(tiny, reference.prompt, reference.negative, low_vram=True, **options)
+    options = {"device": "cpu", "precision": torch.float32, "quantization": quantization}
+    plain = text_encoder.encode(
+        text_encoder.EncoderSettings(tiny, **options), reference.prompt, reference.negative
+    )
+    streamed = text_encoder.encode(
+        text_encoder.EncoderSettings(tiny, low_vram=True, **options), reference.prompt, reference.negative
+    )
     torch.testing.assert_close(streamed.prompt_embeds, plain.prompt_embeds, rtol=0, atol=0)
     torch.testing.assert_close(streamed.negative_embeds, plain.negative_embeds, rtol=0, atol=0)
     layers = tiny.config("text_encoder")["num_layers"]
@@ -51,9 +55,11 @@ def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, bl
 
 @pytest.mark.parametrize("quantization", ["none", "qint8"])
 def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantization, block_log):
-    options = {"device": "cpu", "dtype": torch.float32, "quantization": quantization}
-    plain = sampler.sample(tiny, reference.embeds, **SETTINGS, **options)
-    streamed = sampler.sample(tiny, reference.embeds, **SETTINGS, low_vram=True, **options)
+    options = {"device": "cpu", "precision": torch.float32, "quantization": quantization}
+    plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    streamed = sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options), reference.embeds
+    )
     torch.testing.assert_close(streamed, plain, rtol=0, atol=0)
     blocks = tiny.config("transformer")["num_layers"]
     assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(blocks)] * 2
@@ -72,14 +78,19 @@ def test_t5_token_embeddings_run_on_the_cpu(tiny, reference, monkeypatch):
         return original(self, ids)
 
     monkeypatch.setattr(torch.nn.Embedding, "forward", forward)
-    text_encoder.encode(tiny, "a", "", device="cpu", dtype=torch.float32, quantization="none", low_vram=True)
+    settings = text_encoder.EncoderSettings(
+        tiny, device="cpu", precision=torch.float32, quantization="none", low_vram=True
+    )
+    text_encoder.encode(settings, "a", "")
     assert seen == [("cpu", "cpu")] * 2
 
 
 def test_streamed_models_are_freed_after_their_stage(tiny, reference, load_spy):
-    options = {"device": "cpu", "dtype": torch.float32, "low_vram": True}
-    text_encoder.encode(tiny, reference.prompt, **options, quantization="nf4")
-    sampler.sample(tiny, reference.embeds, **SETTINGS, **options, quantization="qint8")
+    options = {"device": "cpu", "precision": torch.float32, "low_vram": True}
+    text_encoder.encode(text_encoder.EncoderSettings(tiny, **options, quantization="nf4"), reference.prompt)
+    sampler.sample(
+        sampler.SamplerSettings(tiny, **SETTINGS, **options, quantization="qint8"), reference.embeds
+    )
     gc.collect()
     assert load_spy.alive("text_encoder") == [False]
     assert load_spy.alive("transformer") == [False]
@@ -88,9 +99,11 @@ def test_streamed_models_are_freed_after_their_stage(tiny, reference, load_spy):
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_low_vram_must_be_a_bool(tiny, reference, value):
     with pytest.raises(TypeError, match="low_vram must be true or false"):
-        text_encoder.encode(tiny, "a", device="cpu", low_vram=value)
+        text_encoder.encode(text_encoder.EncoderSettings(tiny, device="cpu", low_vram=value), "a")
     with pytest.raises(TypeError, match="low_vram must be true or false"):
-        sampler.sample(tiny, reference.embeds, **SETTINGS, device="cpu", low_vram=value)
+        sampler.sample(
+            sampler.SamplerSettings(tiny, **SETTINGS, device="cpu", low_vram=value), reference.embeds
+        )
 
 
 def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_path, monkeypatch):
@@ -101,9 +114,10 @@ def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_
     def spy(module, name):
         original = getattr(module, name)
 
-        def wrapper(*args, **kwargs):
-            calls[name] = kwargs.get("low_vram", kwargs.get("tiling"))
-            return original(*args, **kwargs)
+        def wrapper(settings, *args, **kwargs):
+            # The stage's settings object is its first argument: low_vram (encoder, sampler) or tiling (VAE).
+            calls[name] = getattr(settings, "low_vram", getattr(settings, "tiling", None))
+            return original(settings, *args, **kwargs)
 
         monkeypatch.setattr(module, name, wrapper)
 

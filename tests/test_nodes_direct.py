@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pixart_lowvram.core import memory
+from pixart_lowvram.core import memory, sampler, text_encoder, vae
 from pixart_lowvram.core.cache import cache
-from pixart_lowvram.core.text_encoder import PixArtEmbeds
+from pixart_lowvram.core.contract import PixArtEmbeds
 
 MODEL = "tiny-pixart"
 SIZE, STEPS = 64, 3
@@ -116,7 +116,7 @@ def sampler_inputs(embeds, **overrides) -> dict:
         "cfg": 4.5,
         "seed": 0,
         "batch_size": 1,
-        "weights": "qint8",
+        "quantization": "qint8",
         "keep_loaded": False,
     }
     return {**inputs, **overrides}
@@ -353,3 +353,54 @@ def test_sampler_takes_a_latent_and_gives_a_latent(comfy, chain):
 def test_sampler_validates_when_queued(comfy, inputs, verdict):
     result = comfy.nodes["PixArtQ_Sampler"].validate_inputs(**{"width": SIZE, "height": SIZE, **inputs})
     assert result is True if verdict is True else verdict in result
+
+
+def test_vae_node_takes_the_old_model_folder_choice(comfy, chain, monkeypatch):
+    """Workflows saved when vae_file's "(from model)" was called "(model folder)" pass validation and
+    decode with the model's own vae/, as "(from model)" does."""
+    from pixart_lowvram.nodes.common import FROM_MODEL
+
+    node = comfy.nodes["PixArtQ_VAEDecode"]
+    assert node.validate_inputs(vae_file="(model folder)") is True
+    assert node.validate_inputs(vae_file=FROM_MODEL) is True
+    assert isinstance(node.validate_inputs(vae_file="not-a-vae.safetensors"), str)
+    asked = []
+    original = vae._load
+
+    def spy(settings):
+        asked.append(settings.vae_file)
+        return original(settings)
+
+    monkeypatch.setattr(vae, "_load", spy)
+    out = Prompt(comfy, GRAPH).call(
+        "3", model=MODEL, latent=chain.latent, keep_loaded=False, vae_file="(model folder)"
+    )
+    assert asked == [None], "the model's own VAE, no file"
+    assert torch.equal(out.result[0], chain.images)
+
+
+@pytest.mark.parametrize(("node_id", "module"), [("1", text_encoder), ("2", sampler), ("3", vae)])
+def test_out_of_memory_in_a_node_says_how_to_free_vram_in_comfyui(comfy, chain, monkeypatch, node_id, module):
+    """Core's advice says to free the memory other models hold; the node adds how, in ComfyUI."""
+
+    def out_of_memory(_settings):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(module, "_load", out_of_memory)
+    inputs = {
+        "1": {
+            "model": MODEL,
+            "prompt": "a cat",
+            "negative_prompt": "",
+            "quantization": "nf4",
+            "keep_loaded": False,
+        },
+        "2": sampler_inputs(chain.embeds),
+        "3": {"model": MODEL, "latent": chain.latent, "keep_loaded": False},
+    }[node_id]
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+        Prompt(comfy, GRAPH).call(node_id, **inputs)
+    message = str(info.value)
+    for part in ("ran out of GPU memory", "free the GPU memory other models hold", "Free VRAM"):
+        assert part in message, f"{part!r} not in: {message}"
+    assert len(cache) == 0

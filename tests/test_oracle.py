@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pixart_lowvram.core import sampler, text_encoder, vae
 
 SIZE = 64
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
@@ -39,10 +39,9 @@ def pipeline(tiny_folder):
 @pytest.mark.parametrize("cfg", [4.5, 1.0], ids=["cfg4.5", "no-guidance"])
 def test_unquantized_chain_equals_diffusers_pipeline(tiny, pipeline, cfg, batch_size):
     prompt, negative, seed, steps = "a small dog on the street at night", "blurry", 1234, 3
-    embeds = text_encoder.encode(tiny, prompt, negative, **FP32)
-    latents = sampler.sample(
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), prompt, negative)
+    sampling = sampler.SamplerSettings(
         tiny,
-        embeds,
         width=SIZE,
         height=SIZE,
         steps=steps,
@@ -51,7 +50,8 @@ def test_unquantized_chain_equals_diffusers_pipeline(tiny, pipeline, cfg, batch_
         batch_size=batch_size,
         **FP32,
     )
-    images = vae.decode(tiny, latents, device="cpu", dtype=torch.float32)
+    latents = sampler.sample(sampling, embeds)
+    images = vae.decode(vae.DecoderSettings(tiny, device="cpu", precision=torch.float32), latents)
 
     expected = pipeline(
         prompt=prompt,
@@ -99,9 +99,8 @@ T5_BOUNDS = {"nf4": 0.97, "fp4": 0.95, "int8": 0.999}
 @pytest.mark.filterwarnings("ignore:MatMul8bitLt")
 @pytest.mark.parametrize("scheme", list(T5_BOUNDS))
 def test_quantized_t5_close_to_fp32(tiny, reference, scheme):
-    embeds = text_encoder.encode(
-        tiny, reference.prompt, reference.negative, quantization=scheme, device="cpu"
-    )
+    settings = text_encoder.EncoderSettings(tiny, quantization=scheme, device="cpu")
+    embeds = text_encoder.encode(settings, reference.prompt, reference.negative)
     ref = reference.embeds
     assert embeds.prompt_embeds.shape == ref.prompt_embeds.shape
     assert embeds.negative_embeds.shape == ref.negative_embeds.shape
@@ -121,10 +120,11 @@ TRANSFORMER_BOUNDS = {"qint8": (0.9999, 0.002), "qfloat8": (0.999, 0.01)}
 @pytest.mark.parametrize("scheme", list(TRANSFORMER_BOUNDS))
 def test_quantized_transformer_close_to_fp32(tiny, reference, scheme):
     min_cosine, max_mean_diff = TRANSFORMER_BOUNDS[scheme]
-    latents = sampler.sample(
-        tiny, reference.embeds, **reference.settings, quantization=scheme, device="cpu", dtype=torch.float32
+    settings = sampler.SamplerSettings(
+        tiny, **reference.settings, quantization=scheme, device="cpu", precision=torch.float32
     )
-    images = vae.decode(tiny, latents, device="cpu", dtype=torch.float32)
+    latents = sampler.sample(settings, reference.embeds)
+    images = vae.decode(vae.DecoderSettings(tiny, device="cpu", precision=torch.float32), latents)
     assert latents.shape == reference.latents.shape and latents.dtype == torch.float32
     assert images.shape == reference.images.shape
     assert torch.isfinite(latents).all() and torch.isfinite(images).all()
@@ -140,9 +140,11 @@ def test_default_quantized_chain_close_to_fp32(tiny, reference):
     (max 0.022). Bounds: 0.97, 0.995, 0.02. This holds only while the seed's noise does not depend
     on the compute dtype (see test_conventions.py::test_seed_noise_does_not_depend_on_precision).
     """
-    embeds = text_encoder.encode(tiny, reference.prompt, reference.negative, device="cpu")
-    latents = sampler.sample(tiny, embeds, **reference.settings, device="cpu")
-    images = vae.decode(tiny, latents, device="cpu")
+    embeds = text_encoder.encode(
+        text_encoder.EncoderSettings(tiny, device="cpu"), reference.prompt, reference.negative
+    )
+    latents = sampler.sample(sampler.SamplerSettings(tiny, **reference.settings, device="cpu"), embeds)
+    images = vae.decode(vae.DecoderSettings(tiny, device="cpu"), latents)
     assert embeds.quantization == "bitsandbytes nf4"
     assert images.shape == reference.images.shape and images.dtype == torch.float32
     assert torch.isfinite(images).all()

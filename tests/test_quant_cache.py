@@ -24,20 +24,19 @@ def own_model(tiny_folder, tmp_path):
 
 
 def encode(source, cache_dir, scheme="nf4"):
-    return text_encoder.encode(
-        source, "a red cat", quantization=scheme, quant_cache_dir=cache_dir
-    ).prompt_embeds
+    settings = text_encoder.EncoderSettings(source, quantization=scheme, quant_cache=cache_dir)
+    return text_encoder.encode(settings, "a red cat").prompt_embeds
 
 
 def test_second_load_reads_the_entry_bit_exact(tiny, tmp_path, monkeypatch):
     first = encode(tiny, tmp_path)
     (entry,) = quant_cache.entries(tmp_path)
-    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors", "source.json"]
 
     def no_requantizing(*args, **kwargs):
         raise AssertionError("quantized again although the entry exists")
 
-    monkeypatch.setattr(text_encoder.Quantization, "load_kwargs", no_requantizing)
+    monkeypatch.setattr(text_encoder.Scheme, "load_kwargs", no_requantizing)
     assert torch.equal(encode(tiny, tmp_path), first)
 
 

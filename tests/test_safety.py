@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, models, outputs, sampler, text_encoder, vae
+from pixart_lowvram.core import memory, models, outputs, sampler, text_encoder, timeline, vae
 from pixart_lowvram.core.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 UNPICKLERS = {
     ("pickle", "load"),
     ("pickle", "loads"),
@@ -118,10 +118,13 @@ WEIGHTS = {
 
 def run(stage, source, reference):
     if stage == "text_encoder":
-        return text_encoder.encode(source, reference.prompt, reference.negative, **FP32)
+        settings = text_encoder.EncoderSettings(source, **FP32)
+        return text_encoder.encode(settings, reference.prompt, reference.negative)
     if stage == "transformer":
-        return sampler.sample(source, reference.embeds, **reference.settings, **FP32)
-    return vae.decode(source, reference.latents, device="cpu", dtype=torch.float32)
+        settings = sampler.SamplerSettings(source, **reference.settings, **FP32)
+        return sampler.sample(settings, reference.embeds)
+    settings = vae.DecoderSettings(source, device="cpu", precision=torch.float32)
+    return vae.decode(settings, reference.latents)
 
 
 @pytest.fixture
@@ -198,13 +201,13 @@ def test_a_hub_download_skips_pickled_weights(tmp_path, monkeypatch):
 def test_report_names_cannot_leave_the_output_folder(tmp_path, prefix):
     output = tmp_path / "output"
     with pytest.raises(ValueError, match="filename_prefix"):
-        memory.write_record(memory.MemoryReport(), output, prefix)
+        timeline.write_record(memory.MemoryReport(), output, prefix)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) in ([], [Path("output")])
 
 
 def test_report_files_stay_in_the_output_folder(tmp_path):
     output = tmp_path / "output"
-    record = memory.write_record(memory.MemoryReport(), output, "pixart.memory-1")
+    record = timeline.write_record(memory.MemoryReport(), output, "pixart.memory-1")
     assert record.files and all(p.resolve().parent == output.resolve() for p in record.files)
     assert outputs.next_stem(output, "pixart.memory-1").parent == output
 
@@ -247,9 +250,11 @@ def test_a_local_model_never_touches_the_network_even_online(
     (tmp_path / "PixArt-Sigma-XL-2-1024-MS").symlink_to(tiny_folder, target_is_directory=True)
     source = resolve_model(models.HUB_1024, [tmp_path])
     assert source.path is not None and source.hub_id is None
-    embeds = text_encoder.encode(source, reference.prompt, reference.negative, **FP32)
-    latents = sampler.sample(source, embeds, **reference.settings, **FP32)
-    images = vae.decode(source, latents, device="cpu", dtype=torch.float32)
+    embeds = text_encoder.encode(
+        text_encoder.EncoderSettings(source, **FP32), reference.prompt, reference.negative
+    )
+    latents = sampler.sample(sampler.SamplerSettings(source, **reference.settings, **FP32), embeds)
+    images = vae.decode(vae.DecoderSettings(source, device="cpu", precision=torch.float32), latents)
     assert torch.equal(images, reference.images)
     assert connections == []
 

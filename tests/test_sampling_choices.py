@@ -11,10 +11,10 @@ from diffusers import PixArtSigmaPipeline
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
 
-from pixart_lowvram.core import sampler
+from pixart_lowvram.core import contract, sampler, schedulers
 
 SIZE = 64
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 # What each scheduler name means in diffusers' terms, written out here rather than read from the pack.
 DIFFUSERS_SCHEDULERS = {
     "dpmsolver++": ("DPMSolverMultistepScheduler", {}),
@@ -49,7 +49,8 @@ def pipeline_with(pipeline, name: str) -> PixArtSigmaPipeline:
 @pytest.fixture(scope="module")
 def init(tiny, reference):
     """A LATENT to start from (raw VAE space): a txt2img result at another seed."""
-    return sampler.sample(tiny, reference.embeds, width=SIZE, height=SIZE, steps=2, seed=99, **FP32)
+    settings = sampler.SamplerSettings(tiny, width=SIZE, height=SIZE, steps=2, seed=99, **FP32)
+    return sampler.sample(settings, reference.embeds)
 
 
 def assert_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
@@ -61,19 +62,18 @@ def assert_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def test_scheduler_names_are_the_documented_ones():
-    assert tuple(DIFFUSERS_SCHEDULERS) == sampler.SCHEDULERS
-    assert sampler.SCHEDULERS[0] == sampler.DEFAULT_SCHEDULER == "dpmsolver++"
+    assert tuple(DIFFUSERS_SCHEDULERS) == schedulers.SCHEDULERS
+    assert schedulers.SCHEDULERS[0] == schedulers.DEFAULT_SCHEDULER == "dpmsolver++"
 
 
-@pytest.mark.parametrize("name", sampler.SCHEDULERS)
+@pytest.mark.parametrize("name", schedulers.SCHEDULERS)
 def test_every_scheduler_is_seeded_and_equals_diffusers_pipeline_with_it(tiny, reference, pipeline, name):
     """The ancestral and SDE ones too: the seed's generator draws the start noise, then each step's."""
     seed, steps, batch_size = 3, 2, 1
 
     def run(seed: int) -> torch.Tensor:
-        return sampler.sample(
+        settings = sampler.SamplerSettings(
             tiny,
-            reference.embeds,
             width=SIZE,
             height=SIZE,
             steps=steps,
@@ -82,6 +82,7 @@ def test_every_scheduler_is_seeded_and_equals_diffusers_pipeline_with_it(tiny, r
             scheduler=name,
             **FP32,
         )
+        return sampler.sample(settings, reference.embeds)
 
     ours = run(seed)
     assert ours.shape == (batch_size, 4, SIZE // 8, SIZE // 8)
@@ -111,10 +112,11 @@ def test_every_scheduler_is_seeded_and_equals_diffusers_pipeline_with_it(tiny, r
 def test_unknown_scheduler(tiny, reference, load_spy):
     with pytest.raises(ValueError) as info:
         sampler.sample(
-            tiny, reference.embeds, width=SIZE, height=SIZE, steps=2, scheduler="lms", device="cpu"
+            sampler.SamplerSettings(tiny, width=SIZE, height=SIZE, steps=2, scheduler="lms", device="cpu"),
+            reference.embeds,
         )
     message = str(info.value)
-    assert "scheduler 'lms' is unknown" in message and all(name in message for name in sampler.SCHEDULERS)
+    assert "scheduler 'lms' is unknown" in message and all(name in message for name in schedulers.SCHEDULERS)
     assert load_spy.total() == 0
 
 
@@ -146,8 +148,8 @@ def test_every_preset_is_a_valid_size_of_its_aspect(base):
     }
     ratios = {round(float(key), 2) for key in BINS[base]}
     for name, (width, height) in presets.items():
-        sampler.check_size("width", width)
-        sampler.check_size("height", height)
+        contract.check_size("width", width)
+        contract.check_size("height", height)
         assert round(height / width, 2) in ratios, name
         assert f"{width}×{height}" in name
         shown = name.rsplit("(", 1)[1].rstrip(")")
@@ -204,23 +206,16 @@ def diffusers_img2img(pipeline, name, embeds, init, steps, kept, seed, cfg) -> t
     return latents / scale
 
 
-@pytest.mark.parametrize("name", sampler.SCHEDULERS)
+@pytest.mark.parametrize("name", schedulers.SCHEDULERS)
 def test_img2img_equals_diffusers_recipe(tiny, reference, pipeline, init, name):
     """Short runs: from 15 steps on, DEIS picks its lower-order last step by the schedule's length, here
     the steps that run, in the recipe all of them."""
     steps, denoise, seed, cfg = 4, 0.5, 11, 4.5
-    ours = sampler.sample(
-        tiny,
-        reference.embeds,
-        steps=steps,
-        cfg=cfg,
-        seed=seed,
-        scheduler=name,
-        init_latents=init,
-        denoise=denoise,
-        **FP32,
+    settings = sampler.SamplerSettings(
+        tiny, steps=steps, cfg=cfg, seed=seed, scheduler=name, denoise=denoise, **FP32
     )
-    kept = sampler.steps_to_run(steps, denoise)
+    ours = sampler.sample(settings, reference.embeds, init_latents=init)
+    kept = schedulers.steps_to_run(steps, denoise)
     assert kept == 2
     assert_close(ours, diffusers_img2img(pipeline, name, reference.embeds, init, steps, kept, seed, cfg))
 
@@ -230,26 +225,30 @@ def test_denoise_1_is_txt2img_of_the_latents_size(tiny, reference, init):
     its values do not matter; width and height are ignored."""
     settings = {"steps": 2, "seed": 4, "denoise": 1.0, **FP32}
     zeros = sampler.sample(
-        tiny, reference.embeds, init_latents=torch.zeros(1, 4, 8, 12), width=512, **settings
+        sampler.SamplerSettings(tiny, width=512, **settings),
+        reference.embeds,
+        init_latents=torch.zeros(1, 4, 8, 12),
     )
     image = torch.cat([init, init], dim=3)[..., :12]
-    from_image = sampler.sample(tiny, reference.embeds, init_latents=image, **settings)
-    txt2img = sampler.sample(tiny, reference.embeds, width=96, height=64, **settings)
+    from_image = sampler.sample(
+        sampler.SamplerSettings(tiny, **settings), reference.embeds, init_latents=image
+    )
+    txt2img = sampler.sample(sampler.SamplerSettings(tiny, width=96, height=64, **settings), reference.embeds)
     assert txt2img.shape == (1, 4, 8, 12)
     assert torch.equal(zeros, txt2img) and torch.equal(from_image, txt2img)
 
 
 def test_denoise_0_returns_the_latent_without_loading(tiny, reference, init, load_spy):
-    ours = sampler.sample(tiny, reference.embeds, steps=4, init_latents=init, denoise=0.0, device="cpu")
+    settings = sampler.SamplerSettings(tiny, steps=4, denoise=0.0, device="cpu")
+    ours = sampler.sample(settings, reference.embeds, init_latents=init)
     assert torch.equal(ours, init)
     assert load_spy.total() == 0
 
 
 def test_less_denoise_stays_closer_to_the_latent(tiny, reference, init):
     def distance(denoise: float) -> float:
-        out = sampler.sample(
-            tiny, reference.embeds, steps=4, seed=2, init_latents=init, denoise=denoise, **FP32
-        )
+        settings = sampler.SamplerSettings(tiny, steps=4, seed=2, denoise=denoise, **FP32)
+        out = sampler.sample(settings, reference.embeds, init_latents=init)
         return (out - init).abs().mean().item()
 
     assert distance(0.25) < distance(0.5) < distance(1.0)
@@ -261,15 +260,8 @@ def test_less_denoise_stays_closer_to_the_latent(tiny, reference, init):
 def test_latent_batch(tiny, reference, init, latent_batch, batch_size, images):
     latent = init.repeat(latent_batch, 1, 1, 1)
     for denoise in (0.0, 0.5):
-        out = sampler.sample(
-            tiny,
-            reference.embeds,
-            steps=2,
-            batch_size=batch_size,
-            init_latents=latent,
-            denoise=denoise,
-            **FP32,
-        )
+        settings = sampler.SamplerSettings(tiny, steps=2, batch_size=batch_size, denoise=denoise, **FP32)
+        out = sampler.sample(settings, reference.embeds, init_latents=latent)
         assert out.shape == (images, 4, SIZE // 8, SIZE // 8)
         assert out.dtype == torch.float32 and out.device.type == "cpu"
 
@@ -277,13 +269,10 @@ def test_latent_batch(tiny, reference, init, latent_batch, batch_size, images):
 def test_img2img_reports_the_steps_it_runs(tiny, reference, init):
     steps = []
     sampler.sample(
-        tiny,
+        sampler.SamplerSettings(tiny, steps=10, denoise=0.3, **FP32),
         reference.embeds,
-        steps=10,
         init_latents=init,
-        denoise=0.3,
-        on_step=lambda step, total, _latents: steps.append((step, total)),
-        **FP32,
+        on_progress=lambda step, total, _latents: steps.append((step, total)),
     )
     assert steps == [(1, 3), (2, 3), (3, 3)]
 
@@ -293,7 +282,7 @@ def test_img2img_reports_the_steps_it_runs(tiny, reference, init):
     [(4, 1.0, 4), (4, 0.5, 2), (20, 0.6, 12), (10, 0.35, 4), (3, 0.5, 2), (4, 0.01, 1), (4, 0.0, 0)],
 )
 def test_steps_to_run(steps, denoise, kept):
-    assert sampler.steps_to_run(steps, denoise) == kept
+    assert schedulers.steps_to_run(steps, denoise) == kept
 
 
 @pytest.mark.parametrize(
@@ -357,8 +346,10 @@ def test_bad_img2img_inputs(tiny, reference, load_spy, inputs, exc_type, parts):
         "device": "cpu",
         "init_latents": torch.zeros(1, 4, 8, 8),
     }
+    settings = {**settings, **inputs}
+    init_latents = settings.pop("init_latents")  # given to sample(); the rest are SamplerSettings
     with pytest.raises(exc_type) as info:
-        sampler.sample(tiny, reference.embeds, **{**settings, **inputs})
+        sampler.sample(sampler.SamplerSettings(tiny, **settings), reference.embeds, init_latents=init_latents)
     message = str(info.value)
     missing = [part for part in parts if part not in message]
     assert not missing, f"{missing} not in: {message}"

@@ -18,11 +18,10 @@ from safetensors.torch import save_file
 from pixart_lowvram.core import quant_cache, text_encoder
 from pixart_lowvram.core.cache import cache
 from pixart_lowvram.core.models import read_t5_file, resolve_model
-from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, Quantization
 from pixart_lowvram.core.random_model import PRESETS, build_tokenizer
 
 PROMPT, NEGATIVE = "a photo of a red cat in a garden", "dark"
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 CPU = torch.device("cpu")
 FP8 = torch.float8_e4m3fn
 LINEAR = (".q.weight", ".k.weight", ".v.weight", ".o.weight", ".wi_0.weight", ".wi_1.weight", ".wo.weight")
@@ -78,6 +77,11 @@ VARIANTS = {
 }
 
 
+def encode(source, prompt, negative_prompt="", **settings):
+    """The T5 stage with ``settings`` (EncoderSettings' fields), built and checked before it runs."""
+    return text_encoder.encode(text_encoder.EncoderSettings(source, **settings), prompt, negative_prompt)
+
+
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory, tiny_folder) -> dict:
     """A PixArt folder whose text_encoder/ holds the T5 (fp32), and that T5 as single files."""
@@ -105,7 +109,7 @@ def weights(tmp_path_factory, tiny_folder) -> dict:
 
 @pytest.fixture(scope="module")
 def folder_embeds(weights):
-    return text_encoder.encode(weights["source"], PROMPT, NEGATIVE, **FP32)
+    return encode(weights["source"], PROMPT, NEGATIVE, **FP32)
 
 
 def assert_same(got, want):
@@ -130,20 +134,20 @@ def test_relu_t5_is_inferred_too(tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_file_gives_the_folders_embeddings(weights, folder_embeds, variant):
-    got = text_encoder.encode(weights["source"], PROMPT, NEGATIVE, t5_file=weights["files"][variant], **FP32)
+    got = encode(weights["source"], PROMPT, NEGATIVE, t5_file=weights["files"][variant], **FP32)
     assert_same(got, folder_embeds)
     assert got.model == weights["source"].key  # the PixArt model names the embeddings
 
 
 @pytest.fixture(scope="module")
 def folder_nf4(weights):
-    return text_encoder.encode(weights["source"], PROMPT, NEGATIVE, quantization="nf4", device="cpu")
+    return encode(weights["source"], PROMPT, NEGATIVE, quantization="nf4", device="cpu")
 
 
 @pytest.mark.parametrize("variant", ["fp16", "fp8_e4m3fn", "fp8_e4m3fn_scaled"])
 def test_nf4_from_a_file_is_the_folders_nf4(weights, folder_nf4, variant):
     """The same weights quantize to the same 4-bit model, whichever way they are stored."""
-    got = text_encoder.encode(
+    got = encode(
         weights["source"],
         PROMPT,
         NEGATIVE,
@@ -156,8 +160,14 @@ def test_nf4_from_a_file_is_the_folders_nf4(weights, folder_nf4, variant):
 
 
 def test_nf4_quantizes_every_linear_layer_of_a_file(weights):
-    quant = Quantization("nf4", CPU, TEXT_ENCODER_SCHEMES)
-    model = text_encoder._load(read_t5_file(weights["files"]["fp8_e4m3fn"]), quant, torch.bfloat16, CPU, None)
+    settings = text_encoder.EncoderSettings(
+        weights["source"],
+        quantization="nf4",
+        device=CPU,
+        precision=torch.bfloat16,
+        t5_file=weights["files"]["fp8_e4m3fn"],
+    )
+    model = text_encoder._load(settings)
     for block in model.encoder.block:
         assert type(block.layer[-1].DenseReluDense.wo) is bnb.nn.Linear4bit
         assert type(block.layer[0].SelfAttention.q) is bnb.nn.Linear4bit
@@ -168,29 +178,29 @@ def test_quant_cache_is_keyed_by_the_file(weights, tmp_path):
     shutil.copy(weights["files"]["fp16"], path)
     cache_dir = tmp_path / "cache"
 
-    def encode():
-        return text_encoder.encode(
+    def encode_file():
+        return encode(
             weights["source"],
             PROMPT,
             quantization="nf4",
             device="cpu",
             t5_file=path,
-            quant_cache_dir=cache_dir,
+            quant_cache=cache_dir,
         ).prompt_embeds
 
-    first = encode()
+    first = encode_file()
     (entry,) = quant_cache.entries(cache_dir)
-    assert torch.equal(encode(), first)
+    assert torch.equal(encode_file(), first)
     assert quant_cache.entries(cache_dir) == [entry]
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    encode()
+    encode_file()
     assert len(quant_cache.entries(cache_dir)) == 2
 
 
 def test_a_kept_folder_t5_is_not_reused_for_a_file(weights):
-    text_encoder.encode(weights["source"], PROMPT, keep_loaded=True, **FP32)
-    text_encoder.encode(weights["source"], PROMPT, keep_loaded=True, t5_file=weights["files"]["fp16"], **FP32)
+    encode(weights["source"], PROMPT, keep_loaded=True, **FP32)
+    encode(weights["source"], PROMPT, keep_loaded=True, t5_file=weights["files"]["fp16"], **FP32)
     assert len(cache) == 2
 
 
@@ -242,7 +252,7 @@ def test_wrong_files_are_refused_before_loading(weights, load_spy, tmp_path, nam
     if write is not None:
         write(path, weights["state"])
     with pytest.raises(error, match=message) as raised:
-        text_encoder.encode(weights["source"], PROMPT, t5_file=path, **FP32)
+        encode(weights["source"], PROMPT, t5_file=path, **FP32)
     assert name in str(raised.value)
     assert "models/text_encoders" in str(raised.value) or "download" in str(raised.value)  # where the fix is
     assert load_spy.total() == 0
@@ -264,7 +274,7 @@ def test_pickles_are_refused_unopened(weights, load_spy, tmp_path, suffix):
     path = tmp_path / f"t5xxl{suffix}"
     path.write_bytes(pickle.dumps(Trap(marker)))
     with pytest.raises(ValueError, match=r"only \.safetensors files are read") as raised:
-        text_encoder.encode(weights["source"], PROMPT, t5_file=path, **FP32)
+        encode(weights["source"], PROMPT, t5_file=path, **FP32)
     assert path.name in str(raised.value) and "never opens" in str(raised.value)
     assert not marker.exists()
     assert load_spy.total() == 0
@@ -284,13 +294,13 @@ def no_tokenizer(weights) -> tuple:
 def test_tokenizer_falls_back_when_the_folder_has_none(weights, folder_embeds, no_tokenizer):
     source, tokenizer = no_tokenizer
     file = weights["files"]["fp16"]
-    got = text_encoder.encode(source, PROMPT, NEGATIVE, t5_file=file, tokenizer_fallback=tokenizer, **FP32)
+    got = encode(source, PROMPT, NEGATIVE, t5_file=file, tokenizer_fallback=tokenizer, **FP32)
     assert_same(got, folder_embeds)
 
 
 def test_the_folders_tokenizer_comes_first(weights, folder_embeds, tmp_path):
     # A fallback that is not a tokenizer would fail if it were read.
-    got = text_encoder.encode(
+    got = encode(
         weights["source"],
         PROMPT,
         NEGATIVE,
@@ -306,9 +316,7 @@ def test_no_tokenizer_anywhere_says_where_it_looked(weights, no_tokenizer, load_
     source, _tokenizer = no_tokenizer
     fallback = tmp_path / fallback if fallback else None
     with pytest.raises(FileNotFoundError) as raised:
-        text_encoder.encode(
-            source, PROMPT, t5_file=weights["files"]["fp16"], tokenizer_fallback=fallback, **FP32
-        )
+        encode(source, PROMPT, t5_file=weights["files"]["fp16"], tokenizer_fallback=fallback, **FP32)
     message = str(raised.value)
     assert "pixart-no-tokenizer" in message and "tokenizer/" in message
     assert (str(fallback) if fallback else "(none given)") in message
@@ -319,7 +327,5 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused(weights, no_tokenizer
     source, _tokenizer = no_tokenizer
     build_tokenizer(600).save_pretrained(tmp_path / "big")
     with pytest.raises(ValueError, match=r"has 260 token embeddings but the tokenizer .* has 600 tokens"):
-        text_encoder.encode(
-            source, PROMPT, t5_file=weights["files"]["fp16"], tokenizer_fallback=tmp_path / "big", **FP32
-        )
+        encode(source, PROMPT, t5_file=weights["files"]["fp16"], tokenizer_fallback=tmp_path / "big", **FP32)
     assert load_spy.total() == 0

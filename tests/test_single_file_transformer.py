@@ -16,12 +16,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pixart_lowvram.core import sampler, text_encoder, vae
-from pixart_lowvram.core.models import HUB_1024, HUB_IDS, read_transformer_file, resolve_model
+from pixart_lowvram.core.models import (
+    CONFIG_FILES,
+    HUB_1024,
+    HUB_IDS,
+    read_transformer_file,
+    resolve_model,
+)
 from pixart_lowvram.core.random_model import CAPTION_TOKENS, save_single_file_transformer
 
-FP32 = {"quantization": "none", "device": "cpu", "dtype": torch.float32}
+FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 SIZE = 64  # the tiny model's native size
 SETTINGS = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
+
+
+def sample(source, embeds, **settings):
+    """The sampling stage with ``settings`` (SamplerSettings' fields), built and checked before it runs."""
+    return sampler.sample(sampler.SamplerSettings(source, **settings), embeds)
 
 
 def folder_config(folder: Path) -> dict:
@@ -81,15 +92,15 @@ def test_single_file_samples_equal_the_folders(tiny, tiny_folder, reference, ori
         "diffusers": lambda: tiny_folder / "transformer" / "diffusion_pytorch_model.safetensors",
         "checkpoint": lambda: prefixed(original, tmp_path / "pixart.safetensors"),
     }[layout]()
-    latents = sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
+    latents = sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
     assert torch.equal(latents, reference.latents)
 
 
 @pytest.mark.parametrize(("quantization", "dtype"), [("qint8", torch.float32), ("none", torch.bfloat16)])
 def test_single_file_matches_the_folder_quantized_and_in_bf16(tiny, reference, original, quantization, dtype):
-    settings = {**SETTINGS, "quantization": quantization, "device": "cpu", "dtype": dtype}
-    from_file = sampler.sample(tiny, reference.embeds, **settings, transformer_file=original)
-    assert torch.equal(from_file, sampler.sample(tiny, reference.embeds, **settings))
+    settings = {**SETTINGS, "quantization": quantization, "device": "cpu", "precision": dtype}
+    from_file = sample(tiny, reference.embeds, **settings, transformer_file=original)
+    assert torch.equal(from_file, sample(tiny, reference.embeds, **settings))
 
 
 def alpha(path: Path, state: dict) -> None:
@@ -128,7 +139,7 @@ def test_wrong_files_are_refused_before_loading(
     path = tmp_path / "wrong.safetensors"
     write(path, load_file(original))
     with pytest.raises(ValueError, match=message) as error:
-        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
+        sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
     assert any(fix in str(error.value) for fix in ("models/diffusion_models", "download it again"))
     assert load_spy.count("transformer") == 0
 
@@ -138,7 +149,7 @@ def test_pickles_are_refused_unopened(tmp_path, tiny, reference, load_spy, suffi
     path = tmp_path / f"pixart{suffix}"
     path.write_bytes(pickle.dumps({"t_block.1.weight": 0}))
     with pytest.raises(ValueError, match=r"only \.safetensors files are read"):
-        sampler.sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
+        sample(tiny, reference.embeds, **SETTINGS, **FP32, transformer_file=path)
     assert load_spy.count("transformer") == 0
 
 
@@ -162,11 +173,11 @@ def test_native_size_follows_the_variant(original, tiny, tmp_path, name, native,
     shutil.copy(original, path)
     file = read_transformer_file(path, tiny.config("transformer"))
     assert (file.native_size, file.config["interpolation_scale"]) == (native, scale)
-    assert sampler.native_size(tiny, path) == native
+    assert sampler.SamplerSettings(tiny, transformer_file=path).native_size == native
 
 
 def test_native_size_of_a_folder(tiny):
-    assert tiny.native_size == sampler.native_size(tiny) == SIZE
+    assert tiny.native_size == sampler.SamplerSettings(tiny).native_size == SIZE
 
 
 def transformer_only(tiny_folder: Path, folder: Path, sample_size: int | None = None) -> Path:
@@ -189,18 +200,23 @@ def test_a_transformer_only_folder_borrows_t5_tokenizer_and_vae(tiny, tiny_folde
     assert source.lender is not None and source.lender.path == (root / "sigma-1024").resolve()
     assert source.folder(["vae"]) == source.lender.path
     assert source.folder(["transformer", "scheduler"]) == source.path
-    embeds = text_encoder.encode(source, reference.prompt, reference.negative, **FP32)
+    source.check_complete()  # the lent parts included
+    embeds = text_encoder.encode(
+        text_encoder.EncoderSettings(source, **FP32), reference.prompt, reference.negative
+    )
     assert torch.equal(embeds.prompt_embeds, reference.embeds.prompt_embeds)
-    latents = sampler.sample(source, embeds, **SETTINGS, **FP32)
+    latents = sample(source, embeds, **SETTINGS, **FP32)
     assert torch.equal(latents, reference.latents)
-    images = vae.decode(source, latents, device="cpu", dtype=torch.float32)
+    images = vae.decode(vae.DecoderSettings(source, device="cpu", precision=torch.float32), latents)
     assert torch.equal(images, reference.images)
 
 
 def complete_stub(folder: Path, sample_size: int) -> None:
-    for component in ("tokenizer", "text_encoder", "vae", "transformer", "scheduler"):
+    """A folder that can lend: a PixArt-Σ pipeline by its model_index.json, each component with its config."""
+    for component, config in CONFIG_FILES.items():
         (folder / component).mkdir(parents=True)
-    (folder / "model_index.json").write_text("{}")
+        (folder / component / config).write_text("{}")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
     (folder / "transformer" / "config.json").write_text(json.dumps({"sample_size": sample_size}))
 
 
@@ -219,7 +235,7 @@ def test_no_folder_to_borrow_from_says_so(tiny_folder, reference, tmp_path, load
     source = resolve_model("sigma-2k", [root])
     assert source.lender is None
     with pytest.raises(FileNotFoundError, match="borrows them from a complete PixArt-Σ 1024 folder") as error:
-        text_encoder.encode(source, reference.prompt, **FP32)
+        text_encoder.encode(text_encoder.EncoderSettings(source, **FP32), reference.prompt)
     assert str(root) in str(error.value)
     assert load_spy.total() == 0
 

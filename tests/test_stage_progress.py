@@ -9,15 +9,21 @@ import torch
 
 from pixart_lowvram.core import text_encoder, vae
 
-FP32 = {"device": "cpu", "dtype": torch.float32}
+FP32 = {"device": "cpu", "precision": torch.float32}
 
 
 def test_encode_and_decode_report_progress(tiny, reference):
     seen: list[tuple[str, int, int]] = []
     text_encoder.encode(
-        tiny, "a cat", quantization="none", on_progress=lambda d, t: seen.append(("t5", d, t)), **FP32
+        text_encoder.EncoderSettings(tiny, quantization="none", **FP32),
+        "a cat",
+        on_progress=lambda d, t, _latents: seen.append(("t5", d, t)),
     )
-    vae.decode(tiny, reference.latents, on_progress=lambda d, t: seen.append(("vae", d, t)), **FP32)
+    vae.decode(
+        vae.DecoderSettings(tiny, **FP32),
+        reference.latents,
+        on_progress=lambda d, t, _latents: seen.append(("vae", d, t)),
+    )
     assert seen == [("t5", 1, 2), ("t5", 2, 2), ("vae", 1, 2), ("vae", 2, 2)]
 
 
@@ -25,7 +31,7 @@ class Cancelled(RuntimeError):
     pass
 
 
-def cancel(done: int, _total: int) -> None:
+def cancel(done: int, _total: int, _latents: torch.Tensor | None) -> None:
     if done == 1:
         raise Cancelled
 
@@ -34,9 +40,9 @@ def cancel(done: int, _total: int) -> None:
 def test_a_cancel_at_the_progress_point_frees_the_model(tiny, reference, load_spy, stage):
     with pytest.raises(Cancelled):
         if stage == "text_encoder":
-            text_encoder.encode(
-                tiny, "a cat", quantization="none", on_progress=cancel, keep_loaded=True, **FP32
-            )
+            settings = text_encoder.EncoderSettings(tiny, quantization="none", keep_loaded=True, **FP32)
+            text_encoder.encode(settings, "a cat", on_progress=cancel)
         else:
-            vae.decode(tiny, reference.latents, on_progress=cancel, keep_loaded=True, **FP32)
+            settings = vae.DecoderSettings(tiny, keep_loaded=True, **FP32)
+            vae.decode(settings, reference.latents, on_progress=cancel)
     assert load_spy.alive(stage) == [False], "a cancelled stage keeps nothing, even with keep_loaded"

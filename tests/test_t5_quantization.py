@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from pixart_lowvram.core import text_encoder
-from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, Quantization
 
 CPU = torch.device("cpu")
 
 
 def load(tiny, scheme: str):
     return text_encoder._load(
-        tiny, Quantization(scheme, CPU, TEXT_ENCODER_SCHEMES), torch.bfloat16, CPU, None
+        text_encoder.EncoderSettings(tiny, quantization=scheme, device=CPU, precision=torch.bfloat16)
     )
 
 
@@ -47,7 +46,8 @@ def test_quantized_wo_sees_real_activations(tiny, reference):
     recipe; a uint8 cast gives about 0.02."""
     mask = reference.embeds.prompt_mask[0].bool()
     for scheme in ("nf4", "nf4-recipe"):
-        embeds = text_encoder.encode(tiny, reference.prompt, reference.negative, quantization=scheme)
+        settings = text_encoder.EncoderSettings(tiny, quantization=scheme)
+        embeds = text_encoder.encode(settings, reference.prompt, reference.negative)
         got, want = embeds.prompt_embeds[0][mask].float(), reference.embeds.prompt_embeds[0][mask]
         assert torch.isfinite(got).all()
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) >= 0.97, scheme

@@ -207,7 +207,7 @@ def test_write_record_without_cuda(tmp_path):
     report = memory.MemoryReport()
     with memory.stage("t5_encode", "cpu", report):
         pass
-    record = memory.write_record(report, tmp_path / "out", "pixart_memory")
+    record = timeline.write_record(report, tmp_path / "out", "pixart_memory")
     names = sorted(p.name for p in record.files)
     assert names == ["pixart_memory_00001.json", "pixart_memory_00001.md", "pixart_memory_00001.png"]
     assert all(p.parent == tmp_path / "out" for p in record.files)
@@ -216,7 +216,7 @@ def test_write_record_without_cuda(tmp_path):
     assert "t5_encode" in record.summary and memory.NO_CUDA in record.summary
     assert "pixart_memory_00001.png" in record.summary
     assert (
-        memory.write_record(report, tmp_path / "out", "pixart_memory")
+        timeline.write_record(report, tmp_path / "out", "pixart_memory")
         .files[0]
         .name.startswith("pixart_memory_00002")
     )
@@ -241,7 +241,7 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(memory, "history", history)
     report = memory.MemoryReport()
     report.add(StageRecord(stage="sample", device="cuda:0", seconds=1.0, peak_allocated=MiB))
-    record = memory.write_record(report, tmp_path, "pixart_memory")
+    record = timeline.write_record(report, tmp_path, "pixart_memory")
     assert "no allocator history: PyTorch's cudaMallocAsync allocator keeps none" in record.summary
     assert "--disable-cuda-malloc" in record.summary
     assert sorted(p.suffix for p in record.files) == [".json", ".md", ".png"]
@@ -251,7 +251,7 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
 def test_report_names_cannot_leave_the_folder(tmp_path, prefix):
     folder = tmp_path / "out"
     with pytest.raises(ValueError, match="filename_prefix"):
-        memory.write_record(memory.MemoryReport(), folder, prefix)
+        timeline.write_record(memory.MemoryReport(), folder, prefix)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == []
 
 

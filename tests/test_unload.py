@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, sampler, text_encoder, vae
+from pixart_lowvram.core import memory, sampler, text_encoder, timeline, vae
 from pixart_lowvram.core.cache import cache, free_all
 
 STAGES = ("text_encoder", "transformer", "vae")
@@ -23,14 +23,18 @@ class Stop(RuntimeError):
 def run_stage(tiny, reference):
     """Run one stage on the tiny model (fp32, unquantized unless overridden)."""
 
-    def run(stage: str, **overrides):
-        options = {"device": "cpu", "dtype": torch.float32, **overrides}
+    def run(stage: str, report=None, on_progress=None, **overrides):
+        options = {"device": "cpu", "precision": torch.float32, **overrides}
+        hooks = {"report": report, "on_progress": on_progress}
         if stage == "vae":
-            return vae.decode(tiny, options.pop("latents", reference.latents), **options)
+            latents = options.pop("latents", reference.latents)
+            return vae.decode(vae.DecoderSettings(tiny, **options), latents, **hooks)
         options.setdefault("quantization", "none")
         if stage == "text_encoder":
-            return text_encoder.encode(tiny, reference.prompt, reference.negative, **options)
-        return sampler.sample(tiny, reference.embeds, width=64, height=64, steps=2, **options)
+            settings = text_encoder.EncoderSettings(tiny, **options)
+            return text_encoder.encode(settings, reference.prompt, reference.negative, **hooks)
+        settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, **options)
+        return sampler.sample(settings, reference.embeds, **hooks)
 
     return run
 
@@ -60,7 +64,7 @@ def test_sample_exception_frees_the_transformer(run_stage, load_spy):
 
     report = memory.MemoryReport()
     with pytest.raises(Stop, match="step 1 of 2"):
-        run_stage("transformer", on_step=stop_at_first_step, report=report)
+        run_stage("transformer", on_progress=stop_at_first_step, report=report)
     gc.collect()
     assert load_spy.count("transformer") == 1
     assert load_spy.last("transformer")() is None
@@ -75,7 +79,7 @@ def test_propagating_exception_does_not_hold_the_transformer(run_stage, load_spy
         raise Stop
 
     try:
-        run_stage("transformer", on_step=stop)
+        run_stage("transformer", on_progress=stop)
     except Stop:
         # The exception (and its traceback) is still alive here, as in a caller that reports it.
         assert load_spy.alive("transformer") == [False]
@@ -134,14 +138,14 @@ def test_failed_stage_does_not_keep_its_model(run_stage, load_spy):
         raise Stop
 
     with pytest.raises(Stop):
-        run_stage("transformer", keep_loaded=True, on_step=stop)
+        run_stage("transformer", keep_loaded=True, on_progress=stop)
     assert len(cache) == 0
     assert load_spy.alive("transformer") == [False]
 
 
 def test_kept_models_are_keyed_by_settings(run_stage, load_spy):
     run_stage("text_encoder", keep_loaded=True)
-    run_stage("text_encoder", keep_loaded=True, dtype=torch.bfloat16)
+    run_stage("text_encoder", keep_loaded=True, precision=torch.bfloat16)
     run_stage("vae", keep_loaded=True)
     assert load_spy.count("text_encoder") == 2
     assert load_spy.alive("text_encoder") == [True, True]
@@ -172,8 +176,8 @@ def test_memory_record_lists_the_stages(run_stage, tmp_path, prefix):
     report = memory.MemoryReport()
     run_stage("text_encoder", report=report)
     run_stage("vae", report=report)
-    summary = memory.write_record(report, tmp_path, prefix).summary
-    memory.write_record(report, tmp_path, prefix)
+    summary = timeline.write_record(report, tmp_path, prefix).summary
+    timeline.write_record(report, tmp_path, prefix)
     assert "t5_encode" in summary and "vae_decode" in summary
     names = {p.name for p in tmp_path.iterdir()}
     for number in ("00001", "00002"):

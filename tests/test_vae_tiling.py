@@ -19,8 +19,8 @@ def test_tiled_decode_is_close_to_untiled(tiny, latents):
     """Tiles are decoded separately and blended over a quarter of their size. With the tiny random VAE
     the mean abs difference measured 0.059 for 64-px tiles of a 128-px image (images 0..1): GroupNorm
     sees each tile's statistics. Bound: 0.08."""
-    whole = vae.decode(tiny, latents, device="cpu", tiling="off")
-    tiled = vae.decode(tiny, latents, device="cpu", tiling="on", tile_size=64)
+    whole = vae.decode(vae.DecoderSettings(tiny, device="cpu", tiling="off"), latents)
+    tiled = vae.decode(vae.DecoderSettings(tiny, device="cpu", tiling="on", tile_size=64), latents)
     assert tiled.shape == whole.shape == (1, 128, 128, 3)
     assert torch.isfinite(tiled).all()
     difference = (tiled - whole).abs().mean()
@@ -28,8 +28,9 @@ def test_tiled_decode_is_close_to_untiled(tiny, latents):
 
 
 def test_a_tile_as_big_as_the_image_changes_nothing(tiny, latents):
-    whole = vae.decode(tiny, latents, device="cpu", tiling="off")
-    assert torch.equal(vae.decode(tiny, latents, device="cpu", tiling="on", tile_size=128), whole)
+    whole = vae.decode(vae.DecoderSettings(tiny, device="cpu", tiling="off"), latents)
+    tiled = vae.decode(vae.DecoderSettings(tiny, device="cpu", tiling="on", tile_size=128), latents)
+    assert torch.equal(tiled, whole)
 
 
 def test_auto_tiles_only_on_cuda_when_short(latents):
@@ -51,5 +52,5 @@ def test_untiled_estimate_matches_the_measured_1024_decode():
 def test_bad_tiling_settings_are_refused_before_loading(tiny, latents, load_spy, bad):
     name, value = bad
     with pytest.raises(ValueError, match=name):
-        vae.decode(tiny, latents, device="cpu", **{name: value})
+        vae.decode(vae.DecoderSettings(tiny, device="cpu", **{name: value}), latents)
     assert load_spy.count("vae") == 0

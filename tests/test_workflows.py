@@ -38,7 +38,7 @@ WIDGETS = {
         "cfg",
         "seed",
         "batch_size",
-        "weights",
+        "quantization",
         "keep_loaded",
         "resolution",
         "scheduler",
@@ -387,7 +387,7 @@ def test_low_vram_workflow_uses_the_smallest_settings():
     (sampler,) = widgets_of("low_vram", "PixArtQ_Sampler")
     (decode,) = widgets_of("low_vram", "PixArtQ_VAEDecode")
     assert encoder["low_vram"] is True and sampler["low_vram"] is True
-    assert encoder["quantization"] == "nf4" and sampler["weights"] == "qint8"
+    assert encoder["quantization"] == "nf4" and sampler["quantization"] == "qint8"
     assert decode["tiling"] == "on"
     assert not any(w["keep_loaded"] for w in (encoder, sampler, decode))
     for name in ("basic", "memory_debug", "with_core_nodes"):

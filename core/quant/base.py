@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 
-class QuantBackend(ABC):
-    """A library that quantizes weights, offering a few named schemes.
+class QuantBackend:
+    """A library that quantizes weights. The schemes it runs, and what the pack knows of each, are in
+    ``quant.TEXT_ENCODER_SCHEMES`` and ``quant.TRANSFORMER_SCHEMES``; a backend holds the mechanics.
 
     A scheme either acts at load time (``load_kwargs``, passed to ``from_pretrained``) or after it
     (``after_load``), whichever the library supports; a stage calls both.
@@ -20,15 +19,10 @@ class QuantBackend(ABC):
     name: str
     package: str  # what `pip install` takes
     module: str  # what Python imports
-    schemes: Mapping[str, str]  # scheme -> one-line description
     device_types: frozenset[str]
 
     def require(self, scheme: str, device: torch.device) -> None:
         """Raise a clear error unless ``scheme`` can run on ``device`` with this machine's packages."""
-        if scheme not in self.schemes:
-            raise ValueError(
-                f"{self.name} has no scheme {scheme!r}; choose one of {', '.join(self.schemes)}."
-            )
         try:
             importlib.import_module(self.module)
         except ImportError as exc:
@@ -59,16 +53,15 @@ class QuantBackend(ABC):
         default, which guards against fp16 overflow)."""
         return True
 
-    @abstractmethod
     def describe(self, scheme: str) -> str:
         """A short label for reports and embeddings metadata."""
+        return f"{self.name} {scheme}"
 
 
 class NoQuant(QuantBackend):
     name = "none"
     package = "torch"
     module = "torch"
-    schemes = {"none": "no quantization (weights in the stage's dtype)"}
     device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
 
     def describe(self, scheme: str) -> str:

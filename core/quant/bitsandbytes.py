@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -13,12 +14,6 @@ class BitsAndBytesBackend(QuantBackend):
     name = "bitsandbytes"
     package = "bitsandbytes"
     module = "bitsandbytes"
-    schemes = {
-        "nf4": "4-bit NormalFloat, double quantization, every linear layer",
-        "nf4-recipe": "as nf4, but T5's wo projections stay unquantized (the notebook recipe)",
-        "fp4": "4-bit float, double quantization, every linear layer",
-        "int8": "8-bit LLM.int8(); wo stays unquantized",
-    }
     # bitsandbytes has native kernels for these; on the CPU its packed 4-bit path needs layer widths
     # divisible by 64, which every published T5 has.
     device_types = frozenset({"cpu", "cuda", "xpu"})
@@ -51,9 +46,6 @@ class BitsAndBytesBackend(QuantBackend):
         # LLM.int8() casts activations to fp16, where T5's wo can overflow.
         return scheme in ("nf4-recipe", "int8")
 
-    def describe(self, scheme: str) -> str:
-        return f"bitsandbytes {scheme}"
-
 
 def check_capability(scheme: str, capability: tuple[int, int], gpu: str) -> None:
     needed = BitsAndBytesBackend.MIN_CAPABILITY[scheme]
@@ -63,3 +55,20 @@ def check_capability(scheme: str, capability: tuple[int, int], gpu: str) -> None
             f"quantization {scheme!r} needs an NVIDIA GPU of compute capability {needed[0]}.{needed[1]} or newer "
             f"(bitsandbytes); {gpu} has {capability[0]}.{capability[1]}. Choose quantization {fallback!r} instead."
         )
+
+
+# On CPUs with AVX512-BF16, importing bitsandbytes looks for an optional faster 4-bit CPU kernel in the
+# `kernels` package (which fetches it from the Hugging Face hub) and logs a warning that reads like an
+# error when it is absent; bitsandbytes then uses its own kernel, which is what the pack measures and tests.
+_OPTIONAL_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+_OPTIONAL_KERNEL_MESSAGE = "Failed to load CPU gemm_4bit_forward"
+
+
+def _not_the_optional_kernel_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_OPTIONAL_KERNEL_MESSAGE)
+
+
+def quiet_optional_kernel_notice() -> None:
+    """Drop that one notice from bitsandbytes' log (nothing else); the front doors (the command line, the
+    node pack's entry point) call this once, before anything imports bitsandbytes."""
+    logging.getLogger(_OPTIONAL_KERNEL_LOGGER).addFilter(_not_the_optional_kernel_notice)

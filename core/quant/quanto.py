@@ -14,10 +14,6 @@ class QuantoBackend(QuantBackend):
     name = "quanto"
     package = "optimum-quanto"
     module = "optimum.quanto"
-    schemes = {
-        "qint8": "int8 weights (the recipe's default)",
-        "qfloat8": "float8 e4m3 weights",
-    }
     device_types = frozenset({"cpu", "cuda"})
 
     def after_load(self, model: torch.nn.Module, scheme: str) -> torch.nn.Module:
@@ -29,9 +25,6 @@ class QuantoBackend(QuantBackend):
 
     def plain_modules(self, module: torch.nn.Module) -> int:
         return plain_linears(module)
-
-    def describe(self, scheme: str) -> str:
-        return f"quanto {scheme}"
 
 
 class ScaledWeightLinear(torch.nn.Module):
