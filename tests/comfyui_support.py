@@ -25,8 +25,8 @@ import requests
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
-UI_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic.json"
+API_WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
+UI_WORKFLOW = REPO / "example_workflows" / "pixart_lowvram_basic.json"
 
 NODE_IDS = (
     "PixArtQ_T5Encode",
@@ -45,7 +45,6 @@ START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 
 PROMPT_TIMEOUT = 300
 HTTP_TIMEOUT = 30
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-MATCH_TYPE = "COMFY_MATCHTYPE_V3"
 # protocol.BinaryEventTypes: a preview with its node and prompt ids, sent to clients that announce
 # supports_preview_metadata as ComfyUI's web UI does.
 PREVIEW_IMAGE_WITH_METADATA = 4

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import pytest
 from PIL import Image
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
+WORKFLOWS = Path(__file__).resolve().parents[1] / "example_workflows"
 
 # Each node type's widget inputs in /object_info's input_order; the frontend stores their values in
 # this order. Inputs that take a link are sockets, not widgets.
@@ -55,8 +55,8 @@ WIDGETS = {
     "VAELoader": ("vae_name",),
     "VAEDecode": (),
 }
-# Each node type's sockets: inputs (name, type, optional) and outputs (name, type). ANY is a MatchType
-# socket: it takes any type, and the node's ANY output has the type linked to its input.
+# Each node type's sockets: inputs (name, type, optional) and outputs (name, type). ANY is a pass-through
+# socket (ComfyUI's "*"): it takes any type, and the node's ANY output has the type linked to its input.
 ANY = "*"
 SOCKETS = {
     "PixArtQ_T5Encode": (
@@ -113,8 +113,8 @@ def is_ui(workflow: object) -> bool:
     return isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow
 
 
-# API files live in api/: ComfyUI lists every .json directly in workflows/ in its templates browser,
-# and an API file opened from there gives an empty graph.
+# API files live in api/: ComfyUI lists every .json directly in example_workflows/ in its templates
+# browser (not those in subfolders), and an API file opened from there gives an empty graph.
 API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 API_FILES = sorted(API_DIR.glob("*.json"))
@@ -166,14 +166,22 @@ def api_widgets(entry: dict) -> dict[str, object]:
 
 
 def test_the_bundled_workflows_are_all_there():
-    """Four workflows, each as a UI file, an API file and a thumbnail; nothing else in the folder."""
+    """Four workflows, each as a UI file, an API file and a thumbnail; nothing else in the folder, which
+    ComfyUI serves as it is (tools/make_thumbnails.py draws the thumbnails)."""
     assert ids(UI_FILES) == [f"pixart_lowvram_{name}" for name in NAMES]
     assert ids(API_FILES) == [f"pixart_lowvram_{name}_api" for name in NAMES]
     expected = {path.name for path in UI_FILES} | {path.stem + ".jpg" for path in UI_FILES}
-    expected |= {"make_thumbnails.py", "api"}
+    expected.add("api")
     assert {path.name for path in WORKFLOWS.iterdir()} == expected
     assert {path.name for path in API_DIR.iterdir()} == {path.name for path in API_FILES}
     assert all(is_ui(read(path)) for path in UI_FILES) and not any(is_ui(read(path)) for path in API_FILES)
+
+
+def test_no_other_folder_comfyui_takes_for_workflows():
+    """ComfyUI (app/custom_node_manager.py) lists and serves a pack's workflows from any of these folders
+    as well as example_workflows/, and asks the pack to rename such a folder."""
+    others = ("example", "examples", "workflow", "workflows")
+    assert [name for name in others if (WORKFLOWS.parent / name).exists()] == []
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=ids(UI_FILES))
@@ -285,7 +293,7 @@ def test_api_workflow_names_known_inputs_and_links(path):
 
 
 def output_type(api: dict, key: str, slot: int) -> str:
-    """The type of an API node's output, following MatchType nodes back to what feeds them."""
+    """The type of an API node's output, following pass-through nodes back to what feeds them."""
     inputs, outputs = SOCKETS[api[key]["class_type"]]
     kind = outputs[slot][1]
     if kind != ANY:
