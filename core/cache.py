@@ -1,8 +1,9 @@
 """Models kept loaded between runs when a node asks for it (the default is to unload).
 
 The cache knows nothing of the host application. A host that manages memory itself (ComfyUI) installs a
-:class:`CacheHost`: it is told what is kept and what leaves, is asked to make room before a stage loads,
-and may take a kept model back (``evict``) when it needs the memory."""
+:class:`CacheHost`: it is asked to make room before a stage loads, holds each loaded model in its own
+books (a handle the cache keeps while the model is kept), and readies the model on its device for each
+run — which may mean moving it back after the host offloaded it to make room for its own models."""
 
 from __future__ import annotations
 
@@ -23,16 +24,17 @@ class CacheHost(Protocol):
     def make_room(self, needs: int, device: torch.device) -> None:
         """Free what the host holds on ``device`` until about ``needs`` bytes are free."""
 
-    def kept(self, key: Hashable, model: torch.nn.Module, device: torch.device) -> None:
-        """``model`` is kept on ``device``: account for it (and call ``cache.evict(key)`` to take it back)."""
+    def hold(self, key: Hashable, model: torch.nn.Module, device: torch.device) -> object:
+        """``model`` was just loaded on ``device``: enter it in the host's books and return the handle the
+        cache keeps (the host holds it weakly: the model is dropped when the cache lets go)."""
 
-    def released(self, key: Hashable) -> None:
-        """The model for ``key`` left the cache (in use, dropped or evicted): forget it."""
+    def ready(self, handle: object, work: int) -> torch.nn.Module:
+        """The model of ``handle`` on its device with room for ``work`` more bytes, for a run."""
 
 
 class ModelCache:
     def __init__(self) -> None:
-        self._models: dict[Hashable, torch.nn.Module] = {}
+        self._models: dict[Hashable, object] = {}  # key -> model, or the host's handle of it
         self.host: CacheHost | None = None
 
     @contextmanager
@@ -45,52 +47,31 @@ class ModelCache:
         weights: int = 0,
         work: int = 0,
     ) -> Iterator[torch.nn.Module]:
-        """Yield the model for ``key`` (cached or freshly loaded); keep it afterwards only if asked and
-        the run succeeded, so a failed stage never leaves its model behind.
+        """Yield the model for ``key`` (kept or freshly loaded); keep it afterwards only if asked and the
+        run succeeded, so a failed stage never leaves its model behind.
 
-        ``weights`` and ``work`` estimate the bytes the stage's model and its run take on ``device``: the
-        host is asked for room for both before a load, for ``work`` before a kept model runs again. A kept
-        model leaves the host's books while it runs, so making room cannot evict it."""
-        model = self._models.pop(key, None)
-        if model is not None:
-            self._released(key)
-        if self.host is not None and device is not None:
-            needs = work if model is not None else weights + work
-            if needs > 0:
-                self.host.make_room(needs, device)
-        if model is None:
+        ``weights`` and ``work`` estimate the bytes the stage's model and its run take on ``device``: with a
+        host, room for both is made before a load, and the host readies the model with room for ``work``."""
+        host = self.host if device is not None else None
+        entry = self._models.pop(key, None)
+        if entry is None:
+            if host is not None:
+                host.make_room(weights + work, device)
             model = load()
+            entry = host.hold(key, model, device) if host is not None else model
+            del model
         else:
             logger.info("reusing kept model %s", key)
-        yield model
+        yield host.ready(entry, work) if host is not None else entry
         if keep:
-            self._models[key] = model
-            if self.host is not None and device is not None:
-                self.host.kept(key, model, device)
-
-    def evict(self, key: Hashable) -> bool:
-        """Drop one kept model now (the host needs its memory); False if it is not kept."""
-        model = self._models.pop(key, None)
-        if model is None:
-            return False
-        self._released(key)
-        del model
-        free_memory()
-        logger.info("unloaded kept model %s", key)
-        return True
+            self._models[key] = entry
 
     def clear(self) -> int:
         """Drop every kept model; return how many there were."""
-        keys = list(self._models)
+        count = len(self._models)
         self._models.clear()
-        for key in keys:
-            self._released(key)
         free_memory()
-        return len(keys)
-
-    def _released(self, key: Hashable) -> None:
-        if self.host is not None:
-            self.host.released(key)
+        return count
 
     def __len__(self) -> int:
         return len(self._models)

@@ -72,15 +72,25 @@ class _Block:
 
 
 class BlockStreamer:
-    """The hooks and state of one streamed model (the hooks hold it: it lives as long as the model)."""
+    """The hooks and state of one streamed model (the hooks and the model hold it: it lives as long as the
+    model). ``resident``: the model's tensors outside the blocks that live on the device."""
 
-    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, prefetch: bool):
+    def __init__(
+        self, blocks: list[torch.nn.Module], device: torch.device, prefetch: bool, resident: list[_TensorSlot]
+    ):
         self.device = device
+        self.resident = resident
         self.blocks = [_Block(block, device) for block in blocks]
         self.stream = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._before(index))
             block.register_forward_hook(self._after(index))
+
+    def move_resident(self, device: torch.device | str) -> None:
+        """Move the resident parts (not the blocks, which stay in CPU memory) to ``device``: how a host
+        offloads a streamed model and brings it back."""
+        for m, kind, name in self.resident:
+            _move(m, kind, name, torch.device(device))
 
     def _before(self, index: int):
         def hook(_module, _args):
@@ -122,15 +132,9 @@ def stream_blocks(
     blocks = list(blocks)
     keep_on_cpu = list(keep_on_cpu)
     skip = {id(t) for module in blocks + keep_on_cpu for t in [*module.parameters(), *module.buffers()]}
-    for m, kind, name in _slots(model):
-        tensor = getattr(m, kind)[name]
-        if id(tensor) not in skip:
-            moved = tensor.to(device)
-            getattr(m, kind)[name] = (
-                torch.nn.Parameter(moved, requires_grad=False)
-                if kind == "_parameters" and type(moved) is torch.Tensor
-                else moved
-            )
+    resident = [slot for slot in _slots(model) if id(getattr(slot[0], slot[1])[slot[2]]) not in skip]
+    for m, kind, name in resident:
+        _move(m, kind, name, device)
     if device.type == "cuda":
         for block in blocks:
             for tensor in [*block.parameters(), *block.buffers()]:
@@ -144,4 +148,23 @@ def stream_blocks(
             with_kwargs=True,
         )
         module.register_forward_hook(lambda _m, _args, output: output.to(device))
-    return BlockStreamer(blocks, device, prefetch)
+    streamer = BlockStreamer(blocks, device, prefetch, resident)
+    model.__dict__[_STREAMER] = streamer
+    return streamer
+
+
+_STREAMER = "_pixart_lowvram_streamer"
+
+
+def streamer_of(model: torch.nn.Module) -> BlockStreamer | None:
+    """The streamer of a model that :func:`stream_blocks` set up; None for a model kept whole."""
+    return model.__dict__.get(_STREAMER)
+
+
+def _move(module: torch.nn.Module, kind: str, name: str, device: torch.device) -> None:
+    moved = getattr(module, kind)[name].to(device)
+    getattr(module, kind)[name] = (
+        torch.nn.Parameter(moved, requires_grad=False)
+        if kind == "_parameters" and type(moved) is torch.Tensor
+        else moved
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from ..core.quant.bitsandbytes import quiet_optional_kernel_notice
 from .free_vram import FreeVRAM
 from .memory_snapshot import MemorySnapshot
 from .sampler import QuantoPixArtSampler
@@ -21,8 +20,5 @@ NODES: list[type[io.ComfyNode]] = [
 
 
 class PixArtLowVRAMExtension(ComfyExtension):
-    async def on_load(self) -> None:
-        quiet_optional_kernel_notice()
-
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         return NODES

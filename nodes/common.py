@@ -28,6 +28,22 @@ FROM_MODEL = "(from model)"
 
 PixArtEmbeds = io.Custom("PIXART_EMBEDS")
 
+
+class _AnyType(str):
+    """ComfyUI's wildcard type, "*", equal to every type in ComfyUI's link checks: v0.8 and later accept "*"
+    as it is, v0.3.64 only compares types with ``!=`` (its MatchType cannot be linked there)."""
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    __hash__ = str.__hash__
+
+
+# The pass-through nodes' value (Free VRAM, Memory Snapshot): anything in, the same thing out.
+Anything = io.Custom(_AnyType("*"))
+# v0.3.64 wants an output's id to differ from every input's; the output is shown as "value".
+PASSED = "passed"
+
 # Kept models are entered in ComfyUI's memory manager, and each stage asks it for room before loading.
 memory_manager.install(cache)
 
@@ -50,9 +66,10 @@ def keep_loaded_input() -> io.Boolean.Input:
     return io.Boolean.Input(
         "keep_loaded",
         default=False,
-        tooltip="Keep the model in memory for the next prompt instead of unloading it when done. ComfyUI "
-        "unloads it like its own models when it needs the memory; Free VRAM, the Unload Models button and "
-        "POST /free release it.",
+        tooltip="Keep the model for the next prompt instead of dropping it when done. It is one of ComfyUI's "
+        "models while kept: ComfyUI moves it to CPU memory when it needs the GPU's room (another model's load, "
+        "Unload Models, POST /free) and the next prompt moves it back instead of loading it again; Free VRAM "
+        "drops it.",
     )
 
 

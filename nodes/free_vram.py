@@ -8,8 +8,6 @@ from comfy_api.latest import io, ui
 from ..core.cache import free_all
 from . import common
 
-_ANY = io.MatchType.Template("value")
-
 
 class FreeVRAM(io.ComfyNode):
     @classmethod
@@ -21,11 +19,9 @@ class FreeVRAM(io.ComfyNode):
             description="Passes its input through unchanged after dropping the pack's kept models and the "
             "models ComfyUI holds, collecting garbage and emptying the CUDA cache. Place it between stages to "
             "force ordering and free memory.",
-            inputs=[
-                io.MatchType.Input("value", template=_ANY, tooltip="Anything; passed through unchanged.")
-            ],
+            inputs=[common.Anything.Input("value", tooltip="Anything; passed through unchanged.")],
             outputs=[
-                io.MatchType.Output(template=_ANY, display_name="value", tooltip="The input, unchanged.")
+                common.Anything.Output(common.PASSED, display_name="value", tooltip="The input, unchanged.")
             ],
             is_output_node=True,
         )

@@ -1,24 +1,50 @@
-"""The pack's kept models in ComfyUI's own memory manager (``comfy.model_management``).
+"""The pack's models as ComfyUI models: each one a real ``comfy.model_patcher.ModelPatcher``, placed with
+ComfyUI's own ``load_models_gpu``.
 
-Each kept model is entered in ``current_loaded_models`` as a :class:`KeptEntry`, so ComfyUI counts it
-and unloads it as one of its own: ``POST /free`` with ``unload_models``, ``unload_all_models()`` and
-``free_memory(needed, device)`` when a core model loads all end in ``KeptEntry.model_unload``, which
-drops the model from the pack's cache. Before a pack stage loads, ``make_room`` asks ``free_memory`` for
-the stage's estimate, so ComfyUI unloads its models (and the pack's other kept ones) to fit it.
+Installed as the host of the pack's model cache (``core.cache``), :class:`ComfyModels` makes room for a
+fresh load with ``free_memory`` (asking nothing of Dynamic VRAM's models where the version has them: they
+give memory back on demand), wraps the loaded model in a :class:`PackModelPatcher` and hands it to
+``load_models_gpu`` with the stage's working memory. From then on ComfyUI treats it as one of its own:
+it is in ``current_loaded_models`` as a ``LoadedModel`` that ComfyUI made, it is offloaded to CPU memory
+when ComfyUI needs the room (a core model's load, ``POST /free`` with ``unload_models``,
+``unload_all_models``, an out-of-memory), and Dynamic VRAM's per-node calls see a plain, non-dynamic
+patcher. A kept model is held by the pack's cache (ComfyUI holds patchers weakly); the next stage that
+uses it hands it to ``load_models_gpu`` again, which moves it back when it was offloaded. A model that is
+not kept is dropped after its stage: when its last reference goes, ComfyUI's own finalizer takes its
+entry out of ``current_loaded_models``.
+
+The patcher is a subclass because these are not ComfyUI's model classes: bitsandbytes 4-bit and
+optimum-quanto weights must move whole (``Module.to`` keeps their quantization state; ComfyUI's
+per-weight moves, patches and partial loads do not), ``state_dict()`` must not be called on them (it
+repacks a bitsandbytes 4-bit weight that ran on the CPU), and a streamed (low-VRAM) model keeps its
+blocks in CPU memory wherever its resident parts go.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import comfy.model_management as mm
+import comfy.model_patcher
 import torch
 
+from ..core import streaming
 from ..core.cache import ModelCache
 
 logger = logging.getLogger(__name__)
+
+# Where each stage's model goes when ComfyUI offloads it: ComfyUI's choice for its own models of that kind
+# (the CPU, or the GPU itself with --highvram / --gpu-only).
+OFFLOAD_DEVICES: dict[str, Callable[[], torch.device]] = {
+    "text_encoder": mm.text_encoder_offload_device,
+    "transformer": mm.unet_offload_device,
+    "vae": mm.vae_offload_device,
+}
+# free_memory(..., for_dynamic=True) (Dynamic VRAM versions): Dynamic VRAM's models count as free room,
+# since they give their memory back on demand, and are neither unloaded nor made to drop their RAM copies.
+_FREE_FOR_DYNAMIC = "for_dynamic" in inspect.signature(mm.free_memory).parameters
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -28,74 +54,74 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 def _bytes(model: torch.nn.Module, device: torch.device) -> int:
     """The bytes of the model's parameters and buffers that are on ``device`` (4-bit weights count as
     packed): all of them for a model kept whole, the resident parts of a streamed one (low-VRAM mode
-    keeps its blocks in CPU memory). Not ComfyUI's ``module_size``: that counts every tensor wherever it
-    is and calls ``state_dict()``, and bitsandbytes' state_dict unpacks a 4-bit weight that has run on
-    the CPU in place — the kept model's next run then takes another kernel path and gives slightly
-    different numbers."""
+    keeps its blocks in CPU memory). Not ComfyUI's ``module_size``: that calls ``state_dict()``, and
+    bitsandbytes' state_dict unpacks a 4-bit weight that has run on the CPU in place — the model's next
+    run then takes another kernel path and gives slightly different numbers."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
 
 
-class KeptModel:
-    """The part of a ModelPatcher that ``model_management`` reads, for one kept model. ComfyUI holds it
-    weakly (``LoadedModel._model``); :class:`ComfyMemory` holds it while the model is kept."""
-
-    parent = None  # not a clone of another patcher
-
-    def __init__(self, cache: ModelCache, key: Hashable, model: torch.nn.Module, device: torch.device):
-        self.cache, self.key, self.model = cache, key, model
-        self.load_device = device
-        self.offload_device = torch.device("cpu")
-        self.size = _bytes(model, device)
-        self.unloading = False  # set while ComfyUI's free_memory unloads it (it pops the entry itself)
-
-    def model_size(self) -> int:
-        return self.size
-
-    def loaded_size(self) -> int:
-        return self.size  # what unloading it gives back on its device
-
-    def current_loaded_device(self) -> torch.device:
-        return self.load_device
-
-    def is_clone(self, other) -> bool:
-        return False
-
-    def model_patches_models(self) -> list:
-        return []
-
-    def detach(self, unpatch_all: bool = True) -> None:
-        """Unloading a kept model drops it: the pack loads it again when a node needs it."""
-        self.cache.evict(self.key)
+def place(model: torch.nn.Module, device: torch.device) -> None:
+    """Move a pack model whole: its resident parts only when its blocks are streamed from CPU memory."""
+    streamer = streaming.streamer_of(model)
+    if streamer is not None:
+        streamer.move_resident(device)
+    else:
+        model.to(device)
 
 
-class KeptEntry(mm.LoadedModel):
-    """A kept model as ``current_loaded_models`` lists it. It is never "currently used" (core nodes that
-    reload the models in use, e.g. a ControlNet's VAE encode, leave it alone) and unloads whole: quantized
-    weights are not moved piecewise."""
+class _Holder(torch.nn.Module):
+    """What the patcher holds: ModelPatcher writes its bookkeeping (``device``, ``model_loaded_weight_memory``
+    …) onto its model, and a transformers or diffusers model's ``device`` is a read-only property."""
 
-    def __init__(self, kept: KeptModel):
-        super().__init__(kept)
-        self.currently_used = False
-        self.real_model = weakref.ref(kept.model)
-
-    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
-        kept = self.model
-        if kept is not None:
-            kept.unloading = True
-            kept.detach()
-        return True
-
-    def model_use_more_vram(self, extra_memory, force_patch_weights=False) -> int:
-        return 0
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
 
 
-class ComfyMemory:
-    """The cache's host (core.cache.CacheHost) inside ComfyUI."""
+class PackModelPatcher(comfy.model_patcher.ModelPatcher):
+    """A pack model that ComfyUI places, offloads and unloads like its own, always whole."""
 
-    def __init__(self, cache: ModelCache):
-        self.cache = cache
-        self._kept: dict[Hashable, KeptModel] = {}
+    def __init__(
+        self, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
+    ):
+        self.key = key  # the pack cache's key, for the log
+        size = max(_bytes(model, device), 1)
+        holder = _Holder(model)
+        # Loaded on ``device`` already (straight from the files): load_models_gpu registers it as it is.
+        holder.device, holder.model_loaded_weight_memory = device, size
+        super().__init__(holder, load_device=device, offload_device=offload_device, size=size)
+
+    @property
+    def inner(self) -> torch.nn.Module:
+        return self.model.inner
+
+    def _load_list(self, *args, **kwargs) -> list:
+        return []  # no per-module sizes (state_dict) and no per-module moves
+
+    def load(
+        self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs
+    ):
+        # Whole, whatever the budget: these weights cannot be split between devices.
+        place(self.inner, device_to)
+        model = self.model
+        model.device, model.model_lowvram, model.lowvram_patch_counter = device_to, False, 0
+        model.model_loaded_weight_memory, model.model_offload_buffer_memory = self.size, 0
+        model.current_weight_patches_uuid = self.patches_uuid
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        return 0  # never piecewise: ComfyUI then unloads it whole
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True) -> None:
+        super().unpatch_model(None, unpatch_weights)  # ComfyUI's bookkeeping, no per-weight moves
+        if unpatch_weights and device_to is not None:
+            place(self.inner, device_to)
+            self.model.device = device_to
+            logger.info("ComfyUI moved pack model %s to %s", self.key, device_to)
+
+
+class ComfyModels:
+    """The cache's host (``core.cache.CacheHost``) inside ComfyUI."""
 
     def make_room(self, needs: int, device: torch.device) -> None:
         # As load_models_gpu does for core models: CPU memory is not managed, and the reserve ComfyUI
@@ -103,29 +129,24 @@ class ComfyMemory:
         if device.type == "cpu":
             return
         logger.debug("asking ComfyUI for %.2f GiB on %s", needs / 2**30, device)
-        mm.free_memory(needs + mm.extra_reserved_memory(), device)
+        extra = {"for_dynamic": True} if _FREE_FOR_DYNAMIC else {}
+        mm.free_memory(needs + mm.extra_reserved_memory(), device, **extra)
 
-    def kept(self, key: Hashable, model: torch.nn.Module, device: torch.device) -> None:
-        self.released(key)
-        kept = self._kept[key] = KeptModel(self.cache, key, model, device)
-        mm.current_loaded_models.insert(0, KeptEntry(kept))
+    def hold(self, key: Hashable, model: torch.nn.Module, device: torch.device) -> PackModelPatcher:
+        stage = key[0] if isinstance(key, tuple) else None
+        offload = OFFLOAD_DEVICES.get(stage, mm.unet_offload_device)()
+        return PackModelPatcher(key, model, device, offload)
 
-    def released(self, key: Hashable) -> None:
-        kept = self._kept.pop(key, None)
-        if kept is None:
-            return
-        kept.model = None
-        if kept.unloading:
-            return  # free_memory is iterating current_loaded_models by index and pops the entry itself
-        mm.current_loaded_models[:] = [
-            entry
-            for entry in mm.current_loaded_models
-            if not (isinstance(entry, KeptEntry) and entry.model is kept)
-        ]
+    def ready(self, patcher: PackModelPatcher, work: int) -> torch.nn.Module:
+        # Registered with ComfyUI, or moved back to its device when ComfyUI offloaded it since.
+        mm.load_models_gpu(
+            [patcher], memory_required=work, minimum_memory_required=work, force_full_load=True
+        )
+        return patcher.inner
 
 
-def install(cache: ModelCache) -> ComfyMemory:
-    """Make ComfyUI's memory manager the cache's host (once, when the nodes load)."""
-    if not isinstance(cache.host, ComfyMemory):
-        cache.host = ComfyMemory(cache)
+def install(cache: ModelCache) -> ComfyModels:
+    """Make ComfyUI's model management the cache's host (once, when the nodes load)."""
+    if not isinstance(cache.host, ComfyModels):
+        cache.host = ComfyModels()
     return cache.host

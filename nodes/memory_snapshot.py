@@ -9,8 +9,6 @@ from comfy_api.latest import io, ui
 from ..core import timeline
 from . import common
 
-_ANY = io.MatchType.Template("value")
-
 
 class MemorySnapshot(io.ComfyNode):
     @classmethod
@@ -26,7 +24,7 @@ class MemorySnapshot(io.ComfyNode):
             "(.pickle, open it at pytorch.org/memory_viz). With this node in a prompt the pack's nodes record "
             "the allocator history from their first stage.",
             inputs=[
-                io.MatchType.Input("value", template=_ANY, tooltip="Anything; passed through unchanged."),
+                common.Anything.Input("value", tooltip="Anything; passed through unchanged."),
                 io.String.Input(
                     "filename_prefix",
                     default="pixart_memory",
@@ -35,7 +33,7 @@ class MemorySnapshot(io.ComfyNode):
             ],
             # The timeline comes after the pass-through, so links saved to output 0 stay valid.
             outputs=[
-                io.MatchType.Output(template=_ANY, display_name="value", tooltip="The input, unchanged."),
+                common.Anything.Output(common.PASSED, display_name="value", tooltip="The input, unchanged."),
                 io.Image.Output(
                     "timeline", display_name="timeline", tooltip="The memory timeline picture (as saved)."
                 ),

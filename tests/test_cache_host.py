@@ -18,17 +18,21 @@ GPU = torch.device("cuda", 0)
 
 
 class RecordingHost:
+    """A host that records what the cache asks of it; its handle is a box around the model."""
+
     def __init__(self):
         self.calls = []
 
     def make_room(self, needs, device):
         self.calls.append(("make_room", needs, device))
 
-    def kept(self, key, model, device):
-        self.calls.append(("kept", key, device))
+    def hold(self, key, model, device):
+        self.calls.append(("hold", key, device))
+        return [model]
 
-    def released(self, key):
-        self.calls.append(("released", key))
+    def ready(self, handle, work):
+        self.calls.append(("ready", work))
+        return handle[0]
 
 
 @pytest.fixture
@@ -38,32 +42,30 @@ def hosted():
     return cache
 
 
-def test_host_makes_room_before_a_load_and_hears_of_kept_and_released(hosted):
-    with hosted.use("k", torch.nn.Identity, keep=True, device=GPU, weights=100, work=10):
-        assert hosted.host.calls == [("make_room", 110, GPU)]
-    assert hosted.host.calls[-1] == ("kept", "k", GPU)
+def test_host_makes_room_before_a_load_holds_the_model_and_readies_it_for_each_run(hosted):
+    with hosted.use("k", torch.nn.Identity, keep=True, device=GPU, weights=100, work=10) as model:
+        assert hosted.host.calls == [("make_room", 110, GPU), ("hold", "k", GPU), ("ready", 10)]
+        assert isinstance(model, torch.nn.Identity)  # the model, not the host's handle
     hosted.host.calls.clear()
-    with hosted.use("k", torch.nn.Identity, keep=False, device=GPU, weights=100, work=10):
-        pass
-    # Reused: it leaves the host's books first (making room cannot evict it), then room for its run only.
-    assert hosted.host.calls == [("released", "k"), ("make_room", 10, GPU)]
+    with hosted.use("k", torch.nn.Identity, keep=False, device=GPU, weights=100, work=10) as again:
+        assert again is model
+    # Reused: no room for its weights and no new handle; the host readies it (room for its run only).
+    assert hosted.host.calls == [("ready", 10)]
     assert len(hosted) == 0
 
 
-def test_a_failed_stage_is_not_reported_as_kept(hosted):
+def test_a_failed_stage_is_not_kept(hosted):
     with pytest.raises(RuntimeError), hosted.use("k", torch.nn.Identity, keep=True, device=GPU):
         raise RuntimeError("stage failed")
-    assert [c[0] for c in hosted.host.calls] == []
     assert len(hosted) == 0
 
 
-def test_evict_and_clear_release_every_kept_model(hosted):
+def test_clear_drops_every_kept_model(hosted):
     for key in ("a", "b", "c"):
         with hosted.use(key, torch.nn.Identity, keep=True, device=GPU):
             pass
-    assert hosted.evict("b") is True and hosted.evict("b") is False
-    assert hosted.clear() == 2
-    assert [c for c in hosted.host.calls if c[0] == "released"] == [("released", k) for k in "bac"]
+    assert sorted(hosted.keys()) == ["a", "b", "c"]
+    assert hosted.clear() == 3 and len(hosted) == 0
 
 
 def test_without_a_host_nothing_is_asked():

@@ -1,6 +1,7 @@
 """The pack next to ComfyUI's own models and memory manager, in a real ComfyUI server (the ``comfyui`` tier):
 core VAE nodes on the pack's LATENT and the other way round, the SDXL VAE as a single file from models/vae,
-and kept models released by ComfyUI's /free, its unload_all_models and Free VRAM.
+kept models offloaded by ComfyUI's /free and its unload_all_models and dropped by Free VRAM; and in-process,
+the pack's models as ComfyUI's own ModelPatchers under the version's real model_management.
 
 The module's server (``running_server`` in comfyui_support.py) also holds the tiny model's VAE as
 models/vae/sdxl_vae.safetensors (the ``sdxl_vae_file`` fixture: original key layout, same weights).
@@ -8,7 +9,10 @@ models/vae/sdxl_vae.safetensors (the ``sdxl_vae_file`` fixture: original key lay
 
 from __future__ import annotations
 
+import gc
+import inspect
 import itertools
+import logging
 import os
 import time
 from pathlib import Path
@@ -169,10 +173,14 @@ def test_core_vae_encode_feeds_the_pack_sampler(server):
     assert not np.array_equal(outputs[0.6], outputs[1.0]), "denoise < 1 ignored the encoded image"
 
 
-def test_comfyui_free_endpoint_releases_kept_models(server):
+def test_comfyui_free_endpoint_offloads_kept_models_and_the_next_prompt_reuses_them(server):
+    """With keep_loaded on every node, two prompts; POST /free (unload_models, free_memory) has ComfyUI
+    unload the pack's models as its own (to its offload device: host memory), the prompt worker lives on,
+    and a third prompt succeeds, reusing them."""
     kept_count(server)  # start with no kept models
-    kept = server.run(with_core_decode(pack_prompt(keep=True, seed=21), ["2", 0], "mixed"))
-    assert kept.status == "success", kept.error
+    for seed in (21, 22):
+        kept = server.run(with_core_decode(pack_prompt(keep=True, seed=seed), ["2", 0], f"mixed_{seed}"))
+        assert kept.status == "success", kept.error
     log_start = server.log.stat().st_size
     # The worker handles /free's flags when the queue wakes it; a /free that arrives while the worker is
     # still finishing the last prompt (not yet waiting) is seen only at its next wake-up, which may be
@@ -182,10 +190,14 @@ def test_comfyui_free_endpoint_releases_kept_models(server):
             server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
         )
         assert response.ok
-        if wait_for_log(server, log_start, "unloaded kept model", 3, deadline_s=10):
+        if wait_for_log(server, log_start, "ComfyUI moved pack model", 3, deadline_s=10):
             break
-    assert server.log_text(log_start).count("unloaded kept model") == 3
-    assert kept_count(server) == 0
+    assert server.log_text(log_start).count("ComfyUI moved pack model") == 3
+    third = server.run(pack_prompt(keep=True, seed=23))
+    assert third.status == "success", third.error
+    assert server.log_text(log_start).count("reusing kept model") == 3
+    assert "Traceback" not in server.log_text(log_start)
+    assert kept_count(server) == 3
 
 
 def test_free_vram_releases_every_kept_model(server):
@@ -211,7 +223,7 @@ def test_a_mixed_graph_with_kept_pack_models_runs_twice(server):
     assert kept_count(server) == 3
 
 
-# In-process: ComfyUI's memory manager itself (comfy.model_management) with the pack's glue.
+# In-process: ComfyUI's memory manager itself (comfy.model_management) with the pack's models in it.
 
 
 @pytest.fixture
@@ -237,22 +249,90 @@ def comfy_mm(monkeypatch):
         mm.current_loaded_models[:] = saved_models
 
 
-def keep_one(key: str, device: str = "cpu") -> torch.nn.Module:
+def use(key: str, keep: bool = True, device: str = "cpu", build=lambda: torch.nn.Linear(256, 256)):
+    """One stage's use of a model through the pack's cache (key[0] names the stage, as the stages' keys do)."""
     from pixart_lowvram.core.cache import cache
 
-    with cache.use(key, lambda: torch.nn.Linear(256, 256), keep=True, device=torch.device(device)) as model:
+    with cache.use(("transformer", key), build, keep=keep, device=torch.device(device)) as model:
         return model
 
 
-def test_unload_all_models_drops_kept_models(comfy_mm):
+def pack_entries(mm) -> list:
+    from pixart_lowvram.nodes.memory_manager import PackModelPatcher
+
+    return [entry for entry in mm.current_loaded_models if isinstance(entry.model, PackModelPatcher)]
+
+
+def test_the_pack_models_are_comfyuis_own_loaded_models(comfy_mm):
+    """Each model in use is a real ModelPatcher in a LoadedModel that load_models_gpu made (no look-alike
+    of ComfyUI's classes); a kept one stays entered, one that is not kept leaves when the pack drops it."""
+    import comfy.model_patcher
+
+    use("kept"), use("not_kept", keep=False)
+    gc.collect()
+    (entry,) = pack_entries(comfy_mm)
+    assert type(entry) is comfy_mm.LoadedModel
+    assert isinstance(entry.model, comfy.model_patcher.ModelPatcher)
+    assert entry.model.model_size() == entry.model.loaded_size() == 256 * 257 * 4
+
+
+def test_unload_all_models_offloads_kept_models_and_the_next_use_reloads_them(comfy_mm, caplog):
     from pixart_lowvram.core.cache import cache
 
-    keep_one("a"), keep_one("b")
-    entries = [e for e in comfy_mm.current_loaded_models if type(e).__name__ == "KeptEntry"]
-    assert len(entries) == 2 and entries[0].model_memory() == 256 * 257 * 4
+    first, second = use("a"), use("b")
+    assert len(pack_entries(comfy_mm)) == 2
+    comfy_mm.unload_all_models()  # what POST /free with unload_models calls
+    assert pack_entries(comfy_mm) == [] and len(cache) == 2  # offloaded, still in host memory
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+        assert use("a") is first
+    assert "reusing kept model" in caplog.text
+    (entry,) = pack_entries(comfy_mm)
+    assert entry.model.inner is first and entry.model.loaded_size() > 0
+    del second
+
+
+def test_comfyuis_own_calls_run_with_pack_models_loaded(comfy_mm):
+    """Every model_management function that walks current_loaded_models (Dynamic VRAM's per-node
+    reset_cast_buffers, pin eviction, the leak check, free_memory by size, unload_all_models) on the version
+    in hand, with kept pack models in the list."""
+    use("a"), use("b")
+    cpu = torch.device("cpu")
+    comfy_mm.cleanup_models_gc()
+    comfy_mm.cleanup_models()
+    for name, args in (("reset_cast_buffers", ()), ("free_pins", (1 << 30,)), ("free_ram", (1 << 30,))):
+        function = getattr(comfy_mm, name, None)
+        if function is not None:
+            function(*args)
+    comfy_mm.free_memory(0, cpu)
+    assert len(pack_entries(comfy_mm)) == 2
+    comfy_mm.free_memory(1e30, cpu)
     comfy_mm.unload_all_models()
-    assert len(cache) == 0
-    assert not any(type(e).__name__ == "KeptEntry" for e in comfy_mm.current_loaded_models)
+    assert pack_entries(comfy_mm) == []
+
+
+def test_quantized_weights_survive_offload_and_reload(comfy_mm):
+    """bitsandbytes 4-bit (its quant_state) and optimum-quanto int8 (its scales) move whole with the model."""
+    import bitsandbytes as bnb
+    from optimum import quanto
+
+    def build():
+        linear4 = bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4", compute_dtype=torch.float32)
+        linear4.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")
+        int8 = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        quanto.quantize(int8, weights=quanto.qint8)
+        quanto.freeze(int8)
+        return torch.nn.Sequential(linear4.to("cpu"), int8)
+
+    model = use("quantized", build=build)
+    x = torch.randn(2, 64)
+    with torch.inference_mode():  # as the stages run
+        expected, state = model(x), model[0].weight.quant_state
+    comfy_mm.unload_all_models()
+    again = use("quantized")
+    assert again is model and model[0].weight.quant_state is state
+    assert type(model[1][0].weight).__name__ == "WeightQBytesTensor"
+    with torch.inference_mode():
+        assert torch.equal(again(x), expected)
 
 
 def test_a_kept_model_counts_what_is_on_its_device(comfy_mm):
@@ -267,40 +347,61 @@ def test_a_kept_model_counts_what_is_on_its_device(comfy_mm):
     assert memory_manager._bytes(torch.nn.Linear(256, 256), torch.device("meta")) == 0
 
 
-def test_room_for_a_core_model_unloads_kept_models_on_its_device(comfy_mm, monkeypatch):
-    """free_memory(needed, device), as load_models_gpu calls it for a core model, unloads kept models on
-    that device until enough is free (a GPU is simulated: its free memory is what the test says)."""
-    from pixart_lowvram.core.cache import cache
-
+def test_room_for_a_core_model_offloads_kept_models_on_its_device(comfy_mm, monkeypatch):
+    """free_memory(needed, device), as load_models_gpu calls it for a core model, offloads kept models on
+    that device until enough is free (a GPU is simulated: its free memory is what the test says; the
+    models never really move there)."""
     gpu = torch.device("cuda", 0)
-    keep_one("on_gpu", gpu), keep_one("on_cpu")
     free = 10
 
     def fake_free(dev=None, torch_free_too=False):
         return (free, free) if torch_free_too else free
 
     monkeypatch.setattr(comfy_mm, "get_free_memory", fake_free)
-    comfy_mm.free_memory(5, gpu)  # enough already free: nothing unloaded
-    assert sorted(cache.keys()) == ["on_cpu", "on_gpu"]
+    use("on_gpu", device=gpu), use("on_cpu")
+    comfy_mm.free_memory(5, gpu)  # enough already free: nothing offloaded
+    assert sorted(str(e.device) for e in pack_entries(comfy_mm)) == ["cpu", "cuda:0"]
     comfy_mm.free_memory(1000, gpu)
-    assert cache.keys() == ["on_cpu"]
+    assert [str(e.device) for e in pack_entries(comfy_mm)] == ["cpu"]
 
 
-def test_a_stage_asks_comfyui_for_room_before_loading(comfy_mm, monkeypatch):
+def test_a_stage_asks_comfyui_for_room_before_loading_and_loads_through_it(comfy_mm, monkeypatch):
     from pixart_lowvram.core.cache import cache
 
-    asked = []
+    asked, placed = [], []
+    dynamic = (
+        {"for_dynamic": True} if "for_dynamic" in inspect.signature(comfy_mm.free_memory).parameters else {}
+    )
     monkeypatch.setattr(
-        comfy_mm, "free_memory", lambda needed, device, keep_loaded=(): asked.append((needed, device))
+        comfy_mm,
+        "free_memory",
+        lambda needed, device, *args, **kwargs: asked.append((needed, device, kwargs)),
+    )
+    original = comfy_mm.load_models_gpu
+
+    def load_models_gpu(models, memory_required=0, **kwargs):
+        placed.append((memory_required, kwargs.get("force_full_load")))
+        return original(models, memory_required=memory_required, **kwargs)
+
+    monkeypatch.setattr(comfy_mm, "load_models_gpu", load_models_gpu)
+    monkeypatch.setattr(
+        comfy_mm,
+        "get_free_memory",
+        lambda dev=None, torch_free_too=False: (1 << 40, 1 << 40) if torch_free_too else 1 << 40,
     )
     gpu = torch.device("cuda", 0)
-    with cache.use(
-        "stage", lambda: torch.nn.Linear(2, 2), keep=True, device=gpu, weights=3 << 30, work=1 << 30
-    ):
-        pass
-    with cache.use(
-        "stage", lambda: torch.nn.Linear(2, 2), keep=False, device=gpu, weights=3 << 30, work=1 << 30
-    ):
-        pass
+    for keep in (True, False):
+        with cache.use(
+            ("vae", "stage"),
+            lambda: torch.nn.Linear(2, 2),
+            keep=keep,
+            device=gpu,
+            weights=3 << 30,
+            work=1 << 30,
+        ):
+            pass
     reserve = comfy_mm.extra_reserved_memory()
-    assert asked == [((4 << 30) + reserve, gpu), ((1 << 30) + reserve, gpu)]
+    # A fresh load makes room for weights and work; the kept model's second run only needs its work,
+    # which load_models_gpu makes room for.
+    assert [a for a in asked if a[0] == (4 << 30) + reserve] == [((4 << 30) + reserve, gpu, dynamic)]
+    assert placed == [(1 << 30, True), (1 << 30, True)]

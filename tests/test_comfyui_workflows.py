@@ -21,7 +21,6 @@ import pytest
 import requests
 from comfyui_support import (
     HTTP_TIMEOUT,
-    MATCH_TYPE,
     MODEL,
     PROMPT_TIMEOUT,
     SDXL_VAE_FILE,
@@ -97,16 +96,9 @@ def test_cpu_tier_tables_match_object_info(server):
         optional = set(info[kind]["input_order"].get("optional", []))
         assert tuple(name for name, _k, _o in inputs) == INPUT_ORDER[kind], kind
         assert tuple(name for name, k, o in inputs if is_widget(k, o)) == WIDGETS[kind], kind
-        sockets = [
-            (name, ANY if k == MATCH_TYPE else k, name in optional)
-            for name, k, o in inputs
-            if not is_widget(k, o)
-        ]
+        sockets = [(name, k, name in optional) for name, k, o in inputs if not is_widget(k, o)]
         assert sockets == SOCKETS[kind][0], kind
-        outputs = [
-            (n, ANY if k == MATCH_TYPE else k)
-            for n, k in zip(info[kind]["output_name"], info[kind]["output"], strict=True)
-        ]
+        outputs = [(n, k) for n, k in zip(info[kind]["output_name"], info[kind]["output"], strict=True)]
         assert outputs == SOCKETS[kind][1], kind
     for kind in VIRTUAL:
         assert kind not in info, f"{kind} is a frontend-only node (left out of API prompts)"
@@ -141,11 +133,11 @@ def test_ui_workflow_matches_object_info(server, path):
             continue
         node_info = info[node["type"]]
         inputs = declared_inputs(node_info)
-        # A MatchType input and its output take on the type of what is linked to the input.
+        # A pass-through input and its output show the type of what is linked to the input.
         kinds = {name: kind for name, kind, _options in inputs}
-        matched = {link_types[s["link"]] for s in node["inputs"] if kinds.get(s["name"]) == MATCH_TYPE}
-        assert len(matched) <= 1, f"UI node {node['id']} links different types to one MatchType"
-        shown = {MATCH_TYPE: matched.pop()} if matched else {}
+        matched = {link_types[s["link"]] for s in node["inputs"] if kinds.get(s["name"]) == ANY}
+        assert len(matched) <= 1, f"UI node {node['id']} links different types to one pass-through input"
+        shown = {ANY: matched.pop()} if matched else {}
 
         sockets = [(n, shown.get(kind, kind)) for n, kind, options in inputs if not is_widget(kind, options)]
         assert [(s["name"], s["type"]) for s in node["inputs"]] == sockets, f"UI node {node['id']}"
@@ -388,14 +380,36 @@ def test_two_servers_at_once_both_finish(two_servers, tmp_path):
         assert np.array_equal(pixels(a), pixels(b))
 
 
-def test_templates_browser_lists_the_ui_workflows_with_thumbnails(server):
-    """ComfyUI's templates browser shows the four UI workflows (not the API files, which open as an empty
-    graph there) and serves each one's thumbnail."""
+PACK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (benchmarks/comfy_server.py)
+
+
+@pytest.fixture(scope="module")
+def debug_server(request, tmp_path_factory, tiny_folder):
+    """A server that logs at DEBUG level: ComfyUI says "consider renaming it to 'example_workflows'" of a
+    pack's templates folder under another name it accepts (workflows/, examples/, ...) at that level only."""
+    base = tmp_path_factory.mktemp("comfyui_debug")
+    with running_server(request, base, tiny_folder, ("--verbose", "DEBUG")) as started:
+        yield started
+
+
+def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
+    """ComfyUI's templates browser shows the four UI workflows of example_workflows/ (not the API files in
+    example_workflows/api/, which open as an empty graph there), serves each one and its thumbnail at the
+    URLs the frontend asks for, and finds the folder under the name it prefers."""
+    server = debug_server
     listed = server.get("/workflow_templates")
-    (names,) = [names for pack, names in listed.items() if pack == "comfyui-pixart-lowvram"]
+    (names,) = [names for pack, names in listed.items() if pack == PACK]
     assert sorted(names) == [path.stem for path in UI_FILES]
-    for name in names:
-        response = requests.get(
-            f"{server.url}/api/workflow_templates/comfyui-pixart-lowvram/{name}.jpg", timeout=HTTP_TIMEOUT
-        )
-        assert response.ok and response.headers["Content-Type"].startswith("image/")
+    for path in UI_FILES:
+        url = f"{server.url}/api/workflow_templates/{PACK}/{path.stem}"
+        workflow = requests.get(f"{url}.json", timeout=HTTP_TIMEOUT)
+        assert workflow.ok and workflow.json() == read(path)
+        # The frontend (1.27.10, 1.35.9, 1.49.6: ComfyUI 0.3.64, 0.8.0, 0.33.0) asks for a pack's
+        # thumbnail as <name>.jpg beside <name>.json; it knows no other name or format.
+        thumbnail = requests.get(f"{url}.jpg", timeout=HTTP_TIMEOUT)
+        assert thumbnail.ok and thumbnail.headers["Content-Type"].startswith("image/")
+        assert thumbnail.content == path.with_suffix(".jpg").read_bytes()
+    log = server.log_text()
+    loading = [line for line in log.splitlines() if line.startswith("Trying to load custom node")]
+    assert any(line.endswith(PACK) for line in loading), "the server does not log at DEBUG level"
+    assert "consider renaming" not in log

@@ -22,8 +22,9 @@ def block_log(monkeypatch):
     log: list[tuple[str, int, list[int]]] = []
     original = streaming.BlockStreamer.__init__
 
-    def init(self, blocks, device, prefetch):
-        original(self, blocks, device, prefetch)
+    def init(self, blocks, device, prefetch, *rest):
+        original(self, blocks, device, prefetch, *rest)
+
         for index, block in enumerate(blocks):
 
             def spy(_module, _args, _index=index, _streamer=self):
@@ -137,3 +138,21 @@ def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_
     ]
     assert cli.main([*argv, "--low-vram", "--no-quant-cache"]) == 0
     assert calls == {"encode": True, "sample": True, "decode": "on"}
+
+
+def test_a_streamed_models_resident_parts_move_without_its_blocks():
+    """How a host offloads a streamed model and brings it back (ComfyUI's offload of a kept low-VRAM model):
+    the parts outside the blocks move, the blocks stay in CPU memory. The meta device stands in for the GPU."""
+    from pixart_lowvram.core import streaming
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.nn.LayerNorm(8)
+    )
+    blocks = [model[1]]
+    streamer = streaming.stream_blocks(model, blocks, "cpu", prefetch=False)
+    assert streaming.streamer_of(model) is streamer and streaming.streamer_of(torch.nn.Linear(2, 2)) is None
+    streamer.move_resident("meta")
+    assert {p.device.type for p in model[0].parameters()} == {"meta"}
+    assert {p.device.type for p in model[2].parameters()} == {"meta"}
+    assert {p.device.type for p in model[1].parameters()} == {"cpu"}
+    assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
