@@ -86,3 +86,40 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
     assert result["attempts"] == [], f"core tried to import ComfyUI modules: {result['attempts']}"
     assert result["comfy_loaded"] == []
     assert result["cuda_initialized"] is False, "importing the pack must not initialise CUDA"
+
+
+def test_the_supported_comfyui_range():
+    import pixart_lowvram
+
+    minimum = ".".join(map(str, pixart_lowvram.MIN_COMFYUI))
+    for supported in (minimum, "0.8.0", "0.33.0", "1.0.0", None, "unknown"):
+        assert pixart_lowvram.unsupported_comfyui(supported) is None, supported
+    line = pixart_lowvram.unsupported_comfyui("0.3.9")
+    assert f"needs ComfyUI {minimum} or newer and found ComfyUI 0.3.9" in line and "Update ComfyUI" in line
+    assert "\n" not in line
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'requires-comfyui = ">={minimum}"' in pyproject
+
+
+def test_inside_an_older_comfyui_the_import_logs_one_line_and_no_traceback(tmp_path: Path) -> None:
+    code = (
+        "import logging, sys, types\n"
+        "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        "sys.modules['comfyui_version'] = types.SimpleNamespace(__version__='0.3.10')\n"
+        "import pixart_lowvram\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERROR PixArt-Σ low VRAM needs ComfyUI"), proc.stderr
+    # Outside ComfyUI (no comfyui_version module) nothing is said.
+    quiet = subprocess.run(
+        [sys.executable, "-c", "import pixart_lowvram"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert quiet.returncode == 0 and quiet.stderr == ""
