@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -102,6 +103,8 @@ def started(
 ) -> Iterator[Server]:
     """ComfyUI from the checkout ``comfyui`` on 127.0.0.1 and a free port, with ``base`` as its base
     directory: custom_nodes/ links to this repository, models/diffusers/NAME links to each of ``models``.
+    $COMFYUI_EXTRA_ARGS (split as a shell would) goes last on its command line, e.g. ``--disable-api-nodes
+    --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not installed.
     The server (its whole process group) is stopped on exit; its log is ``base``/server.log."""
     comfyui = Path(comfyui).resolve()
     if not (comfyui / "main.py").is_file():
@@ -133,6 +136,7 @@ def started(
         "--disable-auto-launch",
         *(["--cpu"] if cpu else []),
         *extra_args,
+        *shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", "")),
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("wb") as log_file:

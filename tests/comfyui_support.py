@@ -216,11 +216,13 @@ def running_server(
     tiny_folder: Path,
     extra_args: tuple[str, ...] = (),
     sdxl_vae_file: Path | None = None,
+    cpu: bool = True,
 ) -> Iterator[ComfyServer]:
     """A ComfyUI server on a free local port with ``base`` as its base directory (custom_nodes/ links to
     this repository, models/diffusers/ holds a copy of the tiny model — tests change it —, models/vae/
     holds ``sdxl_vae_file`` as ``SDXL_VAE_FILE`` when one is given), started and stopped by
-    benchmarks/comfy_server.py; its log is printed when a test of the module failed meanwhile."""
+    benchmarks/comfy_server.py (with --cpu unless ``cpu`` is False: then on the GPU, with the version's
+    defaults such as Dynamic VRAM); its log is printed when a test of the module failed meanwhile."""
     import comfy_server  # benchmarks/, on pytest's pythonpath
 
     for folder in ("models/diffusers", "models/vae", "models/vae_approx"):
@@ -237,7 +239,7 @@ def running_server(
                     base,
                     models={},
                     python=os.environ.get("COMFYUI_PYTHON") or sys.executable,
-                    cpu=True,
+                    cpu=cpu,
                     # What most users set; in ComfyUI 0.8 "auto" means latent-to-RGB. A prompt's
                     # extra_data can override it (the web UI's preview setting).
                     extra_args=("--preview-method", "auto", *extra_args),
