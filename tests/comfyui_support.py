@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -161,6 +162,19 @@ class ComfyServer:
 
 
 OnMessage = Callable[[str, dict], None]
+
+
+def progress_is_throttled() -> bool:
+    """Whether the ComfyUI under test holds back progress messages: from about v0.30 its ProgressBar sends
+    the first and the last update of a bar, and one in between only when 0.1 s and 0.5 % have passed since
+    the last it sent (previews always go). The pack updates the bar at every step either way."""
+    utils = Path(os.environ["COMFYUI_PATH"]) / "comfy" / "utils.py"
+    return "PROGRESS_THROTTLE_MIN_INTERVAL" in utils.read_text(encoding="utf-8")
+
+
+def strip_colour(text: str) -> str:
+    """``text`` without terminal colour codes (newer ComfyUI colours its log: ``[INFO]`` in green)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
 def preview_frame(raw: bytes) -> tuple[dict, Preview] | None:

@@ -29,6 +29,7 @@ from comfyui_support import (
     WIDGET_TYPES,
     ComfyServer,
     running_server,
+    strip_colour,
 )
 from PIL import Image
 from test_workflows import (
@@ -99,9 +100,18 @@ def test_cpu_tier_tables_match_object_info(server):
         sockets = [(name, k, name in optional) for name, k, o in inputs if not is_widget(k, o)]
         assert sockets == SOCKETS[kind][0], kind
         outputs = [(n, k) for n, k in zip(info[kind]["output_name"], info[kind]["output"], strict=True)]
-        assert outputs == SOCKETS[kind][1], kind
+        assert outputs_fit(kind, SOCKETS[kind][1], outputs), kind
     for kind in VIRTUAL:
         assert kind not in info, f"{kind} is a frontend-only node (left out of API prompts)"
+
+
+def outputs_fit(kind: str, saved: list, declared: list) -> bool:
+    """A saved node's outputs against the server's: the pack's nodes exactly; a core node's may lack
+    outputs that a newer ComfyUI added after them (v0.33.0's SaveImage passes its IMAGE on), which the
+    files, saved for every supported version, do not link."""
+    if kind.startswith("PixArtQ_"):
+        return saved == declared
+    return saved == declared[: len(saved)]
 
 
 @pytest.mark.parametrize("path", API_FILES, ids=ids(API_FILES))
@@ -153,7 +163,8 @@ def test_ui_workflow_matches_object_info(server, path):
 
         outputs = [(o["name"], o["type"]) for o in node["outputs"]]
         declared = zip(node_info["output_name"], node_info["output"], strict=True)
-        assert outputs == [(name, shown.get(kind, kind)) for name, kind in declared], f"UI node {node['id']}"
+        declared = [(name, shown.get(kind, kind)) for name, kind in declared]
+        assert outputs_fit(node["type"], outputs, declared), f"UI node {node['id']}: {outputs} vs {declared}"
 
 
 # ---- the API files through the client ----------------------------------------------------------
@@ -410,6 +421,8 @@ def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
         assert thumbnail.ok and thumbnail.headers["Content-Type"].startswith("image/")
         assert thumbnail.content == path.with_suffix(".jpg").read_bytes()
     log = server.log_text()
-    loading = [line for line in log.splitlines() if line.startswith("Trying to load custom node")]
+    loading = [
+        line.strip() for line in strip_colour(log).splitlines() if "Trying to load custom node" in line
+    ]
     assert any(line.endswith(PACK) for line in loading), "the server does not log at DEBUG level"
     assert "consider renaming" not in log

@@ -134,13 +134,24 @@ class ProgressHook:
         if self.also is not None:
             self.also(value)
 
+    # ComfyUI's own throttle of the hook (about v0.30 on: first, last, and others 0.1 s and 0.5 % apart)
+    # is off while the hook records, so it sees every update the pack makes.
+    THROTTLE = {"PROGRESS_THROTTLE_MIN_INTERVAL": 0.0, "PROGRESS_THROTTLE_MIN_PERCENT": 0.0}
+
     def __enter__(self):
         self.saved = self.utils.PROGRESS_BAR_HOOK
+        self.saved_throttle = {
+            name: getattr(self.utils, name) for name in self.THROTTLE if hasattr(self.utils, name)
+        }
+        for name in self.saved_throttle:
+            setattr(self.utils, name, self.THROTTLE[name])
         self.utils.set_progress_bar_global_hook(self)
         return self
 
     def __exit__(self, *exc_info):
         self.utils.set_progress_bar_global_hook(self.saved)
+        for name, value in self.saved_throttle.items():
+            setattr(self.utils, name, value)
 
 
 @pytest.fixture(scope="module")
