@@ -1,13 +1,23 @@
-"""Models kept loaded between runs when a node asks for it (the default is to unload).
+"""The models a stage uses: kept loaded between runs when a node asks for it (``keep_loaded``), and
+otherwise, on its own (the command line, the library), waiting in host memory for the next run.
+
+After a stage that does not keep its model, the model leaves the device — moved whole into CPU memory,
+quantized as it is — and waits in a pool bounded by a byte budget (``host_budget``, default 4 GiB,
+``$PIXART_LOWVRAM_HOST_POOL_GIB`` to change, 0 to turn the pool off), the least recently used leaving
+first. The next run with the same settings moves it back instead of reading and quantizing it again. A
+failed stage never leaves its model behind; :meth:`ModelCache.clear` and :func:`free_all` drop everything.
 
 The cache knows nothing of the host application. A host that manages memory itself (ComfyUI) installs a
 :class:`CacheHost`: it is asked to make room before a stage loads, holds each loaded model in its own
 books (a handle the cache keeps while the model is kept), and readies the model on its device for each
-run — which may mean moving it back after the host offloaded it to make room for its own models."""
+run — which may mean moving it back after the host offloaded it to make room for its own models. With a
+host, the host's own offloading is what keeps models in host memory (kept ones); the pool is not used."""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,8 +26,30 @@ from typing import Protocol
 import torch
 
 from .memory import NO_CUDA, format_bytes, free_memory
+from .streaming import bytes_on, move_model
 
 logger = logging.getLogger(__name__)
+
+HOST_BUDGET_ENV = "PIXART_LOWVRAM_HOST_POOL_GIB"
+DEFAULT_HOST_BUDGET_GIB = 4.0
+CPU = torch.device("cpu")
+
+
+def default_host_budget() -> int:
+    """Bytes the pool may hold: ``$PIXART_LOWVRAM_HOST_POOL_GIB`` (GiB, 0 turns it off), else 4 GiB."""
+    text = os.environ.get(HOST_BUDGET_ENV, "").strip()
+    if not text:
+        return int(DEFAULT_HOST_BUDGET_GIB * 2**30)
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # also NaN
+        raise ValueError(
+            f"{HOST_BUDGET_ENV}={text!r} is not a size: give GiB of host memory for models between runs, "
+            f"e.g. {DEFAULT_HOST_BUDGET_GIB:g}, or 0 to free every model after its stage."
+        )
+    return int(gib * 2**30)
 
 
 class CacheHost(Protocol):
@@ -33,9 +65,12 @@ class CacheHost(Protocol):
 
 
 class ModelCache:
-    def __init__(self) -> None:
-        self._models: dict[Hashable, object] = {}  # key -> model, or the host's handle of it
+    def __init__(self, host_budget: int | None = None) -> None:
+        self._models: dict[Hashable, object] = {}  # key -> kept model, or the host's handle of it
+        # key -> (model in CPU memory, its bytes), least recently used first
+        self._pool: OrderedDict[Hashable, tuple[torch.nn.Module, int]] = OrderedDict()
         self.host: CacheHost | None = None
+        self.host_budget = default_host_budget() if host_budget is None else host_budget
 
     @contextmanager
     def use(
@@ -47,33 +82,70 @@ class ModelCache:
         weights: int = 0,
         work: int = 0,
     ) -> Iterator[torch.nn.Module]:
-        """Yield the model for ``key`` (kept or freshly loaded); keep it afterwards only if asked and the
-        run succeeded, so a failed stage never leaves its model behind.
+        """Yield the model for ``key`` on ``device`` — kept, from the pool, or freshly loaded — and keep it
+        afterwards if asked, else (without a host) put it in the pool; only if the run succeeded, so a
+        failed stage never leaves its model behind.
 
         ``weights`` and ``work`` estimate the bytes the stage's model and its run take on ``device``: with a
         host, room for both is made before a load, and the host readies the model with room for ``work``."""
         host = self.host if device is not None else None
         entry = self._models.pop(key, None)
-        if entry is None:
+        if entry is not None:
+            logger.info("reusing kept model %s", key)
+        elif host is None and key in self._pool:
+            entry, size = self._pool.pop(key)
+            if device is not None:
+                move_model(entry, device)
+            logger.info("reusing model %s from host memory (%s)", key, format_bytes(size))
+        else:
             if host is not None:
                 host.make_room(weights + work, device)
             model = load()
             entry = host.hold(key, model, device) if host is not None else model
             del model
-        else:
-            logger.info("reusing kept model %s", key)
         yield host.ready(entry, work) if host is not None else entry
         if keep:
             self._models[key] = entry
+        elif host is None and device is not None:
+            self._park(key, entry)
+
+    def _park(self, key: Hashable, model: torch.nn.Module) -> None:
+        """Move ``model`` into CPU memory and into the pool, within the budget (least recently used out)."""
+        if self.host_budget <= 0:
+            return
+        move_model(model, CPU)
+        size = bytes_on(model, CPU)
+        if size > self.host_budget:
+            logger.info(
+                "model %s (%s) is larger than the host memory budget (%s): not kept",
+                key,
+                format_bytes(size),
+                format_bytes(self.host_budget),
+            )
+            return
+        self._pool[key] = (model, size)
+        while self.pool_bytes() > self.host_budget:
+            evicted, (_model, evicted_size) = self._pool.popitem(last=False)
+            logger.info("host memory budget: dropped model %s (%s)", evicted, format_bytes(evicted_size))
+
+    def pool_bytes(self) -> int:
+        """Bytes of CPU memory the models waiting in the pool hold."""
+        return sum(size for _model, size in self._pool.values())
+
+    def pooled(self) -> list[Hashable]:
+        """The keys of the models waiting in host memory, least recently used first."""
+        return list(self._pool)
 
     def clear(self) -> int:
-        """Drop every kept model; return how many there were."""
+        """Drop every kept model and every model waiting in host memory; return how many were kept."""
         count = len(self._models)
         self._models.clear()
+        self._pool.clear()
         free_memory()
         return count
 
     def __len__(self) -> int:
+        """How many models are kept (not counting those waiting in host memory)."""
         return len(self._models)
 
     def keys(self) -> list[Hashable]:
@@ -88,9 +160,13 @@ class FreeResult:
     models_dropped: int
     allocated_before: int | None
     allocated_after: int | None
+    pooled_dropped: int = 0
+    pooled_bytes: int = 0
 
     def summary(self) -> str:
         dropped = f"dropped {self.models_dropped} kept model(s)"
+        if self.pooled_dropped:
+            dropped += f" and {self.pooled_dropped} from host memory ({format_bytes(self.pooled_bytes)})"
         if self.allocated_before is None:
             return f"{dropped}; {NO_CUDA}"
         freed = self.allocated_before - self.allocated_after
@@ -101,11 +177,13 @@ class FreeResult:
 
 
 def free_all(release_others: Callable[[], object] | None = None) -> FreeResult:
-    """Drop the pack's kept models and, through ``release_others``, anything the host application holds."""
+    """Drop the pack's kept and pooled models and, through ``release_others``, anything the host
+    application holds."""
     before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+    pooled, pooled_bytes = len(cache.pooled()), cache.pool_bytes()
     dropped = cache.clear()
     if release_others is not None:
         release_others()
     free_memory()
     after = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
-    return FreeResult(dropped, before, after)
+    return FreeResult(dropped, before, after, pooled, pooled_bytes)

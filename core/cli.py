@@ -214,6 +214,7 @@ def stage_settings(args: argparse.Namespace, source: ModelSource):
         precision=args.precision,
         low_vram=args.low_vram,
         fast=args.fast,
+        quant_cache=cache_dir,
     )
     decoding = vae.DecoderSettings(
         source,

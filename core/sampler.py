@@ -6,10 +6,11 @@ import functools
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from . import estimates, memory, streaming
+from . import estimates, memory, quant_cache, streaming
 from .cache import cache
 from .contract import (
     LATENT_CHANNELS,
@@ -56,7 +57,9 @@ class SamplerSettings:
     ``fast`` runs the blocks compiled (``torch.compile``), their quantized weights expanded to ``dtype``
     inside the compiled code one weight at a time, for fp16 matrix products: faster than quanto's kernels,
     at the quantized model's memory; the first image of a process, and of each new size, waits for the
-    compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it."""
+    compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it. With
+    ``quant_cache`` (a folder) the quantized transformer is saved there on first use and read back later
+    (:mod:`quant_cache`), as T5 is."""
 
     model: ModelSource
     width: int | None = None
@@ -75,6 +78,7 @@ class SamplerSettings:
     low_vram: bool = False
     fast: bool = False
     transformer_file: str | os.PathLike | None = None
+    quant_cache: Path | None = None
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
@@ -275,11 +279,7 @@ def transformer_weights(
 def _from_file(weights: TransformerFile, dtype: torch.dtype):
     """A transformer built empty from the file's inferred config, then given the file's weights (renamed
     to diffusers' keys): diffusers has no single-file loader for PixArt."""
-    from accelerate import init_empty_weights
-    from diffusers import PixArtTransformer2DModel
-
-    with init_empty_weights():
-        model = PixArtTransformer2DModel.from_config(weights.config)
+    model = _empty(weights.config)
     # The weights in ``dtype``; the position embedding buffer stays float32, as from_pretrained keeps it.
     model.load_state_dict({key: value.to(dtype) for key, value in weights.state_dict().items()}, assign=True)
     return model
@@ -289,24 +289,66 @@ def _load(settings: SamplerSettings):
     """The transformer, quantized, on the settings' device; with ``low_vram`` quantized in CPU memory and its
     blocks streamed to the device one at a time (:mod:`streaming`). ``fast``: the blocks' quantized
     layers hold plain tensors and expand them as they run (``plain_modules``), and the blocks are
-    compiled."""
+    compiled. With ``settings.quant_cache`` a scheme whose backend saves its work is quantized once and
+    read back from there afterwards (:mod:`quant_cache`)."""
+    weights, scheme = settings.weights, settings.scheme
+    if isinstance(weights, TransformerFile):
+        origin = weights.path
+    else:
+        origin = check_weights(weights.folder(["transformer"]) / "transformer", weights.name)
+
+    def quantize():
+        return scheme.after_load(_read(settings))
+
+    if settings.quant_cache is None or not scheme.backend.saves_quantized:
+        model = quantize()
+    else:
+        recipe = {"scheme": scheme.name, "dtype": settings.dtype, "class": "PixArtTransformer2DModel"}
+        if isinstance(weights, TransformerFile):
+            recipe["config"] = weights.config  # inferred, so a change in the inference is a new entry
+        model = quant_cache.load_or_build(
+            quant_cache.entry(settings.quant_cache, "transformer", origin, recipe),
+            load=lambda folder: scheme.backend.load_quantized(_empty(settings.config), scheme.name, folder),
+            build=quantize,
+            save=scheme.backend.save_quantized,
+        )
+    return prepare(model, scheme, settings.device, settings.low_vram, settings.fast, quantized=True)
+
+
+def _read(settings: SamplerSettings):
+    """The transformer's weights as they are on disk, in the settings' dtype, on the CPU."""
     from diffusers import PixArtTransformer2DModel
 
     weights = settings.weights
     if isinstance(weights, TransformerFile):
-        model = _from_file(weights, settings.dtype)
-    else:
-        folder = weights.folder(["transformer"])
-        check_weights(folder / "transformer", weights.name)
-        model = PixArtTransformer2DModel.from_pretrained(
-            folder, subfolder="transformer", dtype=settings.dtype, use_safetensors=True
-        )
-    return prepare(model, settings.scheme, settings.device, settings.low_vram, settings.fast)
+        return _from_file(weights, settings.dtype)
+    return PixArtTransformer2DModel.from_pretrained(
+        weights.folder(["transformer"]), subfolder="transformer", dtype=settings.dtype, use_safetensors=True
+    )
 
 
-def prepare(model, scheme: Scheme, device: torch.device, low_vram: bool = False, fast: bool = False):
-    """A loaded transformer (on the CPU) quantized and made ready to run on ``device`` (see ``_load``)."""
-    model = scheme.after_load(model)
+def _empty(config: dict):
+    """The transformer's architecture with its parameters on the meta device (its buffers, such as the
+    float32 position embedding, made as from_pretrained makes them)."""
+    from accelerate import init_empty_weights
+    from diffusers import PixArtTransformer2DModel
+
+    with init_empty_weights():
+        return PixArtTransformer2DModel.from_config(config)
+
+
+def prepare(
+    model,
+    scheme: Scheme,
+    device: torch.device,
+    low_vram: bool = False,
+    fast: bool = False,
+    quantized: bool = False,
+):
+    """A loaded transformer (on the CPU) quantized — unless ``quantized`` says it is already — and made
+    ready to run on ``device`` (see ``_load``)."""
+    if not quantized:
+        model = scheme.after_load(model)
     model.eval()
     blocks = model.transformer_blocks
     if fast:
@@ -314,7 +356,7 @@ def prepare(model, scheme: Scheme, device: torch.device, low_vram: bool = False,
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:
-        model.to(device)
+        streaming.move_model(model, device)
     if fast:
         compile_blocks(blocks)
     return model

@@ -24,6 +24,22 @@ logger = logging.getLogger(__name__)
 
 _TensorSlot = tuple[torch.nn.Module, str, str]  # module, "_parameters" | "_buffers", name
 
+# Bytes the pack has copied from CPU memory to a device in this process: streamed blocks and models moved
+# whole (:func:`move_model`); reads from disk straight to the device are not counted. For benchmarks,
+# which report it per prompt (user cards copy at PCIe speeds, a quarter of a data-centre host's).
+_copied_to_device = 0
+
+
+def copied_to_device() -> int:
+    """Bytes copied from CPU memory to a device so far (see ``_copied_to_device``)."""
+    return _copied_to_device
+
+
+def _count(tensor: torch.Tensor, device: torch.device) -> None:
+    global _copied_to_device
+    if tensor.device.type == "cpu" and device.type != "cpu":
+        _copied_to_device += tensor.numel() * tensor.element_size()
+
 
 def _slots(module: torch.nn.Module) -> list[_TensorSlot]:
     slots = []
@@ -59,6 +75,7 @@ class _Block:
         for (m, kind, name), tensor in zip(self.slots, self.originals, strict=True):
             if tensor.device != self.device:  # (on the CPU itself, a copy would only cost)
                 getattr(m, kind)[name] = tensor.to(self.device, non_blocking=stream is not None)
+                _count(tensor, self.device)
         self.loaded = True
         if stream is not None:
             self.ready = torch.cuda.Event()
@@ -168,3 +185,35 @@ def _move(module: torch.nn.Module, kind: str, name: str, device: torch.device) -
         if kind == "_parameters" and type(moved) is torch.Tensor
         else moved
     )
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
+
+
+def bytes_on(model: torch.nn.Module, device: torch.device | str) -> int:
+    """The bytes of the model's parameters and buffers that are on ``device`` (4-bit weights count as
+    packed): all of them for a model kept whole, the resident parts of a streamed one (its blocks stay in
+    CPU memory). Not ``state_dict()``: bitsandbytes' state_dict unpacks a 4-bit weight that has run on the
+    CPU in place, and the model's next run then takes another kernel path."""
+    device = torch.device(device)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
+
+
+def move_model(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Move a pack model whole (``Module.to``, which keeps bitsandbytes' ``quant_state`` and quanto's
+    scales with their weights): only its resident parts when its blocks are streamed from CPU memory."""
+    device = torch.device(device)
+    streamer = streamer_of(model)
+    before = 0 if device.type == "cpu" else bytes_on(model, CPU)
+    if streamer is not None:
+        streamer.move_resident(device)
+    else:
+        model.to(device)
+    if before:
+        global _copied_to_device
+        _copied_to_device += before - bytes_on(model, CPU)
+
+
+CPU = torch.device("cpu")

@@ -191,8 +191,6 @@ def _load(settings: EncoderSettings):
 
 def _load_tokenizer(source: ModelSource, fallback: Path | None):
     """The model's own tokenizer/, else ``fallback`` (a T5 tokenizer folder, e.g. the one ComfyUI ships)."""
-    from transformers import AutoTokenizer
-
     try:
         folder = source.folder(["tokenizer"])
     except FileNotFoundError as exc:
@@ -204,8 +202,22 @@ def _load_tokenizer(source: ModelSource, fallback: Path | None):
                 f"spiece.model with tokenizer_config.json)."
             ) from exc
         logger.info("model %r has no tokenizer/; using the T5 tokenizer in %s", source.name, fallback)
-        return AutoTokenizer.from_pretrained(fallback)
-    return AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")
+        return _read_tokenizer(fallback, _signature(fallback))
+    return _read_tokenizer(folder / "tokenizer", _signature(folder / "tokenizer"))
+
+
+def _signature(folder: Path) -> tuple:
+    """The files of a tokenizer folder (names, sizes, modification times): a change makes a new key."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_tokenizer(folder: Path, signature: tuple):
+    """A tokenizer, read once per process for each folder and signature (the encode only reads it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def encode(

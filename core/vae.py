@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, memory
+from . import estimates, memory, streaming
 from .cache import cache
 from .contract import ProgressCallback, check_flag, check_latent_tensor
 from .devices import as_device, resolve_dtype
@@ -148,7 +148,7 @@ def _load(settings: DecoderSettings):
         with tempfile.TemporaryDirectory() as config:
             (Path(config) / "config.json").write_text(json.dumps(SDXL_VAE_CONFIG))
             model = AutoencoderKL.from_single_file(str(vae_file), config=config, torch_dtype=dtype)
-    model.to(settings.device)
+    streaming.move_model(model, settings.device)
     model.eval()
     return model
 

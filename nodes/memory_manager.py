@@ -47,29 +47,6 @@ OFFLOAD_DEVICES: dict[str, Callable[[], torch.device]] = {
 _FREE_FOR_DYNAMIC = "for_dynamic" in inspect.signature(mm.free_memory).parameters
 
 
-def _on(tensor: torch.Tensor, device: torch.device) -> bool:
-    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
-
-
-def _bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """The bytes of the model's parameters and buffers that are on ``device`` (4-bit weights count as
-    packed): all of them for a model kept whole, the resident parts of a streamed one (low-VRAM mode
-    keeps its blocks in CPU memory). Not ComfyUI's ``module_size``: that calls ``state_dict()``, and
-    bitsandbytes' state_dict unpacks a 4-bit weight that has run on the CPU in place — the model's next
-    run then takes another kernel path and gives slightly different numbers."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
-
-
-def place(model: torch.nn.Module, device: torch.device) -> None:
-    """Move a pack model whole: its resident parts only when its blocks are streamed from CPU memory."""
-    streamer = streaming.streamer_of(model)
-    if streamer is not None:
-        streamer.move_resident(device)
-    else:
-        model.to(device)
-
-
 class _Holder(torch.nn.Module):
     """What the patcher holds: ModelPatcher writes its bookkeeping (``device``, ``model_loaded_weight_memory``
     …) onto its model, and a transformers or diffusers model's ``device`` is a read-only property."""
@@ -86,7 +63,7 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
     ):
         self.key = key  # the pack cache's key, for the log
-        size = max(_bytes(model, device), 1)
+        size = max(streaming.bytes_on(model, device), 1)
         holder = _Holder(model)
         # Loaded on ``device`` already (straight from the files): load_models_gpu registers it as it is.
         holder.device, holder.model_loaded_weight_memory = device, size
@@ -103,7 +80,7 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs
     ):
         # Whole, whatever the budget: these weights cannot be split between devices.
-        place(self.inner, device_to)
+        streaming.move_model(self.inner, device_to)
         model = self.model
         model.device, model.model_lowvram, model.lowvram_patch_counter = device_to, False, 0
         model.model_loaded_weight_memory, model.model_offload_buffer_memory = self.size, 0
@@ -115,7 +92,7 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
     def unpatch_model(self, device_to=None, unpatch_weights=True) -> None:
         super().unpatch_model(None, unpatch_weights)  # ComfyUI's bookkeeping, no per-weight moves
         if unpatch_weights and device_to is not None:
-            place(self.inner, device_to)
+            streaming.move_model(self.inner, device_to)
             self.model.device = device_to
             logger.info("ComfyUI moved pack model %s to %s", self.key, device_to)
 

@@ -230,6 +230,7 @@ class QuantoPixArtSampler(io.ComfyNode):
             low_vram=low_vram,
             fast=fast,
             transformer_file=transformer_path(transformer_file),
+            quant_cache=common.quant_cache_dir(),
         )
         warnings: list[str] = []
         with common.comfy_advice():

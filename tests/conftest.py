@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pixart_lowvram.core import sampler, text_encoder, vae
-from pixart_lowvram.core.cache import cache
+from pixart_lowvram.core.cache import cache, default_host_budget
 from pixart_lowvram.core.models import ModelSource, resolve_model
 from pixart_lowvram.core.random_model import build_random_pixart
 
@@ -73,13 +73,23 @@ def reference(tiny: ModelSource) -> SimpleNamespace:
 
 @pytest.fixture(autouse=True)
 def _empty_model_cache():
-    """Each test starts and ends with no kept models, so keep_loaded tests cannot leak into others.
-    (Only when there are some: clear() runs a full gc, which is slow with torch imported.)"""
-    if len(cache):
+    """Each test starts and ends with no kept models, so keep_loaded tests cannot leak into others
+    (only when there are some: clear() runs a full gc, which is slow with torch imported), and with the
+    host-memory pool off, so a test sees each stage free its model; ``host_pool`` turns the pool on."""
+    budget, cache.host_budget = cache.host_budget, 0
+    if len(cache) or cache.pooled():
         cache.clear()
     yield
-    if len(cache):
+    if len(cache) or cache.pooled():
         cache.clear()
+    cache.host_budget = budget
+
+
+@pytest.fixture
+def host_pool() -> int:
+    """The pool on, with its default budget (``_empty_model_cache`` restores it off, and empties it)."""
+    cache.host_budget = default_host_budget()
+    return cache.host_budget
 
 
 @dataclass

@@ -339,12 +339,12 @@ def test_a_kept_model_counts_what_is_on_its_device(comfy_mm):
     """ComfyUI is told what unloading a kept model gives back on its device: all of a model kept whole,
     only the resident parts of a streamed one (its blocks wait in CPU memory). The meta device stands in
     for the GPU here."""
-    from pixart_lowvram.nodes import memory_manager
+    from pixart_lowvram.core.streaming import bytes_on
 
     streamed = torch.nn.Sequential(torch.nn.Linear(256, 256, device="meta"), torch.nn.Linear(256, 256))
-    assert memory_manager._bytes(streamed, torch.device("meta")) == 256 * 257 * 4
-    assert memory_manager._bytes(streamed, torch.device("cpu")) == 256 * 257 * 4
-    assert memory_manager._bytes(torch.nn.Linear(256, 256), torch.device("meta")) == 0
+    assert bytes_on(streamed, torch.device("meta")) == 256 * 257 * 4
+    assert bytes_on(streamed, torch.device("cpu")) == 256 * 257 * 4
+    assert bytes_on(torch.nn.Linear(256, 256), torch.device("meta")) == 0
 
 
 def test_room_for_a_core_model_offloads_kept_models_on_its_device(comfy_mm, monkeypatch):

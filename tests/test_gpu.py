@@ -91,6 +91,47 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
     assert torch.cuda.memory_allocated() == baseline
 
 
+@pytest.mark.parametrize(
+    ("stage", "options"),
+    [
+        ("text_encoder", {}),
+        ("text_encoder", {"low_vram": True}),
+        ("transformer", {}),
+        ("transformer", {"low_vram": True}),
+        ("transformer", {"fast": True}),
+        ("vae", {}),
+    ],
+    ids=["t5", "t5-low-vram", "transformer", "transformer-low-vram", "transformer-fast", "vae"],
+)
+def test_pooled_models_leave_the_gpu_and_come_back_bit_identical(
+    tiny, reference, cuda, host_pool, load_spy, stage, options
+):
+    """With the host-memory pool on (the library's default), a stage's model is off the GPU after the
+    stage and back on it for the next run, loaded once, with the same output bit for bit (the compiled
+    fast path too)."""
+
+    def run():
+        if stage == "text_encoder":
+            settings = text_encoder.EncoderSettings(tiny, device=cuda, **options)
+            return text_encoder.encode(settings, "a red cat").prompt_embeds
+        if stage == "transformer":
+            settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, **options)
+            return sampler.sample(settings, reference.embeds)
+        return vae.decode(vae.DecoderSettings(tiny, device=cuda), reference.latents)
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    first = run()
+    assert torch.cuda.memory_allocated() == baseline, "the model stayed on the GPU"
+    (key,) = cache.pooled()
+    model = load_spy.last(key[0])()
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    second = run()
+    assert load_spy.count(key[0]) == 1 and torch.equal(first, second)
+    assert torch.cuda.memory_allocated() == baseline
+
+
 def test_failed_sample_returns_device_memory(tiny, reference, cuda):
     settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda)
 

@@ -1,5 +1,7 @@
 """The pre-quantized weight cache: written once, read back bit-exact, keyed by weights and settings,
-rebuilt when unreadable, safetensors and JSON only, cleared by the documented command."""
+rebuilt when unreadable, safetensors and JSON only, cleared by the documented command. For T5
+(bitsandbytes, transformers' own format) and the transformer (optimum-quanto's int8 and float8 values and
+scales)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import sys
 import pytest
 import torch
 
-from pixart_lowvram.core import quant_cache, text_encoder
+from pixart_lowvram.core import quant_cache, random_model, sampler, text_encoder
 from pixart_lowvram.core.models import resolve_model
+from pixart_lowvram.core.quant import QUANTO
 
 
 @pytest.fixture
@@ -91,3 +94,73 @@ def test_cache_command_lists_and_clears(tiny, tmp_path):
 def test_default_location_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(quant_cache.ENV, str(tmp_path / "here"))
     assert quant_cache.default_dir() == tmp_path / "here"
+
+
+# ---- the transformer (optimum-quanto) ----------------------------------------------------------------
+
+SAMPLING = {"width": 64, "height": 64, "steps": 2, "seed": 3}
+
+
+def sample(source, cache_dir, scheme="qint8", precision="bf16", **settings):
+    """Latents from the tiny transformer quantized with ``scheme``; bf16 on the CPU is where quanto's int8
+    kernel (``_weight_int8pack_mm``) runs, the one that crashed on weights read in place from a file."""
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(source, quantization="none"), "a red cat")
+    chosen = sampler.SamplerSettings(
+        source, **SAMPLING, quantization=scheme, precision=precision, quant_cache=cache_dir, **settings
+    )
+    return sampler.sample(chosen, embeds)
+
+
+def test_transformer_second_load_reads_the_entry_bit_exact(tiny, tmp_path, monkeypatch):
+    first = sample(tiny, tmp_path)
+    (entry,) = quant_cache.entries(tmp_path)
+    assert entry.name.startswith("transformer-")
+    assert sorted(p.name for p in entry.iterdir()) == ["quanto.safetensors", "source.json"]
+
+    def no_requantizing(*args, **kwargs):
+        raise AssertionError("quantized again although the entry exists")
+
+    monkeypatch.setattr(QUANTO, "after_load", no_requantizing)
+    assert torch.equal(sample(tiny, tmp_path), first)
+
+
+@pytest.mark.parametrize("scheme", ["qint8", "qfloat8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_transformer_cached_and_uncached_give_the_same_latents(tiny, tmp_path, scheme, precision):
+    written = sample(tiny, tmp_path, scheme, precision)
+    read = sample(tiny, tmp_path, scheme, precision)
+    assert torch.equal(read, written) and torch.equal(read, sample(tiny, None, scheme, precision))
+    (entry,) = quant_cache.entries(tmp_path)
+    assert quant_cache.describe(entry).startswith(f"transformer from {tiny.path / 'transformer'}, {scheme}")
+
+
+def test_transformer_entry_serves_low_vram_mode(tiny, tmp_path):
+    """One entry for the transformer whether its blocks are streamed or not: the quantized weights are the
+    same (on the CPU both run whole; streaming is tried on the GPU)."""
+    whole = sample(tiny, tmp_path)
+    assert torch.equal(sample(tiny, tmp_path, low_vram=True), whole)
+    assert len(quant_cache.entries(tmp_path)) == 1
+
+
+def test_transformer_single_file_has_its_own_entry(tiny, tmp_path):
+    single = random_model.save_single_file_transformer(tiny.path, tmp_path / "transformer.safetensors")
+    cache_dir = tmp_path / "cache"
+    written = sample(tiny, cache_dir, transformer_file=single)
+    assert torch.equal(sample(tiny, cache_dir, transformer_file=single), written)
+    (entry,) = quant_cache.entries(cache_dir)
+    assert quant_cache.source_of(entry)["source"] == str(single.absolute())
+
+
+def test_truncated_transformer_entry_is_rebuilt(tiny, tmp_path, caplog):
+    first = sample(tiny, tmp_path)
+    (entry,) = quant_cache.entries(tmp_path)
+    weights = entry / "quanto.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    assert torch.equal(sample(tiny, tmp_path), first)
+    assert "unreadable" in caplog.text and weights.stat().st_size == size
+
+
+def test_unquantized_transformer_does_not_touch_the_cache(tiny, tmp_path):
+    sample(tiny, tmp_path, "none")
+    assert quant_cache.entries(tmp_path) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +14,9 @@ class QuantBackend:
     ``quant.TEXT_ENCODER_SCHEMES`` and ``quant.TRANSFORMER_SCHEMES``; a backend holds the mechanics.
 
     A scheme either acts at load time (``load_kwargs``, passed to ``from_pretrained``) or after it
-    (``after_load``), whichever the library supports; a stage calls both.
+    (``after_load``), whichever the library supports; a stage calls both. A backend that quantizes after
+    loading may also save what it made and rebuild it without quantizing again (``saves_quantized``,
+    ``save_quantized``, ``load_quantized``: the pre-quantized cache, :mod:`..quant_cache`).
     """
 
     name: str
@@ -41,6 +44,17 @@ class QuantBackend:
 
     def after_load(self, model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         return model
+
+    saves_quantized = False
+
+    def save_quantized(self, model: torch.nn.Module, folder: Path) -> None:
+        """Write ``model`` as ``after_load`` left it into ``folder`` (safetensors only)."""
+        raise NotImplementedError(f"{self.name} does not save quantized models")
+
+    def load_quantized(self, empty: torch.nn.Module, scheme: str, folder: Path) -> torch.nn.Module:
+        """``empty`` (the model's architecture, its parameters on the meta device) holding what
+        :meth:`save_quantized` wrote into ``folder``: the model ``after_load`` made, without quantizing."""
+        raise NotImplementedError(f"{self.name} does not load quantized models")
 
     def plain_modules(self, module: torch.nn.Module) -> int:
         """Turn the library's quantized layers under ``module`` into plain torch layers that hold the

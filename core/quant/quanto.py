@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .base import QuantBackend
 
 # The final projection maps back to latent space; the recipe keeps it in full precision.
 EXCLUDE = ("proj_out",)
+WEIGHTS_FILE = "quanto.safetensors"
 
 
 class QuantoBackend(QuantBackend):
@@ -22,6 +25,34 @@ class QuantoBackend(QuantBackend):
         quanto.quantize(model, weights=getattr(quanto, scheme), exclude=list(EXCLUDE))
         quanto.freeze(model)
         return model
+
+    saves_quantized = True
+
+    def save_quantized(self, model: torch.nn.Module, folder: Path) -> None:
+        # quanto's own state dict: each quantized weight as plain ``weight._data`` (int8 or float8) and
+        # ``weight._scale`` tensors beside the model's other parameters, in their own dtypes.
+        from safetensors.torch import save_file
+
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        save_file(state, Path(folder) / WEIGHTS_FILE)
+
+    def load_quantized(self, empty: torch.nn.Module, scheme: str, folder: Path) -> torch.nn.Module:
+        """quanto's layers put in place on the meta device, then filled from the file (quanto's own
+        ``_load_from_state_dict`` makes each quantized weight from its ``_data`` and ``_scale``).
+
+        Not quanto's ``requantize``: it calls ``to_empty``, which leaves non-persistent buffers
+        (PatchEmbed's ``pos_embed``) uninitialised. Every tensor is copied out of the file's mapping into
+        memory of its own: on the CPU, quanto's int8 kernel (``_weight_int8pack_mm``) crashes the process
+        on int8 data read in place from a safetensors file."""
+        from optimum import quanto
+        from safetensors import safe_open
+
+        quanto.quantize(empty, weights=getattr(quanto, scheme), exclude=list(EXCLUDE))
+        with safe_open(Path(folder) / WEIGHTS_FILE, framework="pt") as file:
+            state = {name: file.get_tensor(name).clone() for name in file.keys()}  # noqa: SIM118
+        empty.load_state_dict(state, strict=True, assign=True)
+        quanto.freeze(empty)
+        return empty
 
     def plain_modules(self, module: torch.nn.Module) -> int:
         return plain_linears(module)

@@ -1,0 +1,381 @@
+"""Per prompt, from the first on: five prompts, each with its own text and seed, in one process per
+configuration, and the same through a running ComfyUI server.
+
+The anchor is diffusers' PixArtSigmaPipeline in fp16 with everything already on the GPU (loading it is not
+timed); every other row is given as a ratio to the anchor's later prompts, measured in the same run. In one
+process (``--model-dir``, the full-size model: ``python -m pixart_lowvram demo --preset full --model-dir
+pixart-full --device cuda --steps 2``):
+
+- ``anchor``: the pipeline, latents, then its VAE decode;
+- ``pack defaults``: encode (T5 nf4), sample (qint8), decode, as the library runs them (the host-memory
+  pool on, so later prompts load nothing from disk); ``pack defaults, 3.0 GiB cap``: the same with the
+  allocator capped at 3.0 GiB (``torch.cuda.set_per_process_memory_fraction``);
+- ``pack fast``: the sampler's compiled path;
+- ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB;
+- ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
+  memory manager told the card has 8 GB (benchmarks/comfyui_path.py's ``simulate_card``), the loaded models
+  kept referenced between prompts as a server's node cache keeps them.
+
+Through a server (with ``--comfyui``; the pack's bundled basic workflow, same prompts and seeds):
+``server: pack defaults`` and ``server: pack keep_loaded``.
+
+Per prompt: seconds (wall clock, the stages or the HTTP round trip), GPU peak allocated and reserved (in one
+process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
+the pack copied from CPU memory to the GPU (``core.streaming.copied_to_device``: models moved back from host
+memory and streamed blocks; reads from disk are not counted), and what the pack's host-memory pool holds. A
+sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit.
+
+    python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
+
+Writes warm.json and warm.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+GIB = 2**30
+SETTINGS = {"width": 1024, "height": 1024, "steps": 20, "cfg": 4.5}
+PROMPTS = [
+    ("a photo of a red cat sitting in a sunlit garden, detailed fur", 0),
+    ("a lighthouse on a rocky coast at dusk, waves, long exposure", 1),
+    ("a bowl of ramen with a soft egg, studio lighting, top view", 2),
+    ("an astronaut riding a horse across a desert, cinematic", 3),
+    ("a watercolour painting of a snowy mountain village", 4),
+]
+REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
+
+CONFIGS: dict[str, dict] = {
+    "anchor: diffusers fp16, all on the GPU": {"kind": "anchor"},
+    "pack defaults": {"kind": "pack"},
+    "pack defaults, 3.0 GiB cap": {"kind": "pack", "cap_gib": 3.0},
+    "pack fast": {"kind": "pack", "fast": True},
+    "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0},
+    "ComfyUI core, card told 8 GB": {"kind": "core", "card_gb": 8.0},
+    "server: pack defaults": {"kind": "server"},
+    "server: pack keep_loaded": {"kind": "server", "keep": True},
+}
+ANCHOR = next(iter(CONFIGS))
+WARM_UP = "warm-up: fill the pre-quantized cache"
+CONFIGS[WARM_UP] = {"kind": "pack", "prompts": 1}
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class Prompt:
+    """Clock, peaks and copies of one prompt in this process."""
+
+    def __enter__(self):
+        from pixart_lowvram.core import streaming
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.copied = streaming.copied_to_device()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        from pixart_lowvram.core import streaming
+
+        torch.cuda.synchronize()
+        self.record = {
+            "seconds": time.perf_counter() - self.start,
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+            "rss": rss(),
+            "copied_to_gpu": streaming.copied_to_device() - self.copied,
+        }
+
+
+def cap(gib: float | None) -> None:
+    if gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(gib * GIB / total)
+
+
+def run_anchor(model_dir: Path) -> tuple[list[dict], list[torch.Tensor]]:
+    from diffusers import PixArtSigmaPipeline
+
+    pipe = PixArtSigmaPipeline.from_pretrained(model_dir, dtype=torch.float16).to("cuda")
+    records, images = [], []
+    for text, seed in [*PROMPTS, REPEAT]:
+        with Prompt() as p:
+            latents = pipe(
+                text,
+                width=SETTINGS["width"],
+                height=SETTINGS["height"],
+                num_inference_steps=SETTINGS["steps"],
+                guidance_scale=SETTINGS["cfg"],
+                generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="latent",
+                return_dict=False,
+            )[0]
+            image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+            image = image.float().cpu()
+        records.append(p.record)
+        images.append(image)
+    return records, images
+
+
+def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
+    from pixart_lowvram.core import models, sampler, text_encoder, vae
+    from pixart_lowvram.core.cache import cache
+
+    cap(config.get("cap_gib"))
+    source = models.resolve_model(str(model_dir))
+    low_vram, fast = config.get("low_vram", False), config.get("fast", False)
+    records, images = [], []
+    for text, seed in [*PROMPTS, REPEAT][: config.get("prompts")]:
+        with Prompt() as p:
+            encoding = text_encoder.EncoderSettings(
+                source, device="cuda", low_vram=low_vram, quant_cache=quant_cache
+            )
+            embeds = text_encoder.encode(encoding, text, "")
+            sampling = sampler.SamplerSettings(
+                source,
+                **SETTINGS,
+                seed=seed,
+                device="cuda",
+                low_vram=low_vram,
+                fast=fast,
+                quant_cache=quant_cache,
+            )
+            latents = sampler.sample(sampling, embeds)
+            decoding = vae.DecoderSettings(source, device="cuda", tiling="on" if low_vram else "auto")
+            image = vae.decode(decoding, latents)
+        records.append(
+            p.record | {"pool_bytes": cache.pool_bytes(), "allocated_after": torch.cuda.memory_allocated()}
+        )
+        images.append(image)
+    return records, images
+
+
+def run_core(
+    model_dir: Path, comfyui: Path, config: dict, tree: Path
+) -> tuple[list[dict], list[torch.Tensor]]:
+    import comfyui_path
+
+    comfyui_path.write_models_tree(model_dir, tree)
+    sys.path.insert(0, str(comfyui))
+    import cuda_malloc  # noqa: F401  (main.py's allocator choice, before anything else uses CUDA)
+
+    comfyui_path.simulate_card(config["card_gb"])
+    import folder_paths
+
+    import nodes
+
+    for folder in comfyui_path.FILES:
+        folder_paths.add_model_folder_path(folder, str(tree / folder), is_default=True)
+    files = comfyui_path.FILES
+    # Loaded once, as a server's node cache keeps the loaders' outputs between prompts.
+    clip = nodes.CLIPLoader().load_clip(files["text_encoders"], "pixart")[0]
+    model = nodes.UNETLoader().load_unet(files["diffusion_models"], "default")[0]
+    vae = nodes.VAELoader().load_vae(files["vae"])[0]
+    records, images = [], []
+    for text, seed in [*PROMPTS, REPEAT]:
+        with Prompt() as p:
+            encode = nodes.CLIPTextEncode()
+            positive, negative = encode.encode(clip, text)[0], encode.encode(clip, "")[0]
+            latent = nodes.EmptyLatentImage().generate(SETTINGS["width"], SETTINGS["height"], 1)[0]
+            samples = nodes.KSampler().sample(
+                model,
+                seed,
+                SETTINGS["steps"],
+                SETTINGS["cfg"],
+                "dpmpp_2m",
+                "normal",
+                positive,
+                negative,
+                latent,
+            )[0]
+            image = nodes.VAEDecode().decode(vae, samples)[0].float().cpu()
+        records.append(p.record)
+        images.append(image)
+    return records, images
+
+
+def run_server(
+    model_dir: Path, comfyui: Path, config: dict, base: Path
+) -> tuple[list[dict], list[torch.Tensor]]:
+    """The bundled basic workflow through a real server, one prompt at a time (submit to images
+    downloaded); the RSS of the server's whole process tree after each."""
+    import comfy_server
+    import numpy as np
+    from PIL import Image
+
+    from pixart_lowvram.core import client as api
+
+    path = comfy_server.REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
+    workflow = api.load_workflow(path)
+    sets = [f"{key}.model=pixart-full" for key, node in workflow.items() if "model" in node["inputs"]]
+    sets += [
+        f"{key}.keep_loaded={bool(config.get('keep'))}"
+        for key, node in workflow.items()
+        if "keep_loaded" in node["inputs"]
+    ]
+    records, images = [], []
+    with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
+        for index, (text, seed) in enumerate([*PROMPTS, REPEAT]):
+            prompt = api.apply_overrides(workflow, sets, prompt=text, seed=seed)
+            start = time.perf_counter()
+            (outcome,) = api.queue(prompt, server.url, out=base / f"images-{index}", timeout=600)
+            records.append({"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)})
+            with Image.open(outcome.files[0]) as image:
+                images.append(torch.from_numpy(np.asarray(image).copy()))
+    return records, images
+
+
+def one(name: str, args: argparse.Namespace) -> None:
+    """One configuration in this (fresh) process; its records to ``args.one_out``."""
+    config = CONFIGS[name]
+    kind = config["kind"]
+    work = Path(args.work)
+    if kind == "anchor":
+        records, images = run_anchor(args.model_dir)
+    elif kind == "pack":
+        records, images = run_pack(args.model_dir, config, work / "quant_cache")
+    elif kind == "core":
+        records, images = run_core(args.model_dir, args.comfyui, config, work / "core_models")
+    else:
+        # The server's pack reads the pre-quantized cache the warm-up filled.
+        os.environ["PIXART_LOWVRAM_QUANT_CACHE"] = str(work / "quant_cache")
+        records, images = run_server(args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)))
+    result = {"records": records, "repeat_identical": bool(torch.equal(images[0], images[-1]))}
+    Path(args.one_out).write_text(json.dumps(result))
+
+
+def summary(records: list[dict], anchor: float | None) -> dict:
+    later = records[1 : len(PROMPTS)]
+    mean_later = sum(r["seconds"] for r in later) / len(later)
+    out = {
+        "first_seconds": records[0]["seconds"],
+        "later_seconds": mean_later,
+        "later_ratio": None if not anchor else mean_later / anchor,
+    }
+    for key in ("peak_allocated", "peak_reserved", "copied_to_gpu", "pool_bytes", "rss"):
+        values = [r[key] for r in later if r.get(key) is not None]
+        if values:
+            out[f"later_max_{key}"] = max(values)
+    return out
+
+
+def fmt_gib(value) -> str:
+    return "–" if value is None else f"{value / GIB:.2f}"
+
+
+def markdown(meta: dict, results: dict) -> str:
+    lines = [
+        "# Per prompt, from the first on",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, {meta['date']}; 1024², 20 steps, cfg 4.5, batch 1, "
+        "full-size architecture with random weights; five prompts with their own text and seed, then the "
+        "first again. Ratios: the mean of prompts 2–5 over the anchor's.",
+        "",
+        "| configuration | 1st prompt s | later s | × anchor | GPU peak alloc / reserved GiB (later) | "
+        "host→GPU GiB per later prompt | pool GiB | host RSS GiB | 6th = 1st |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, result in results.items():
+        if "error" in result:
+            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | |")
+            continue
+        s = result["summary"]
+        ratio = "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}"
+        lines.append(
+            f"| {name} | {s['first_seconds']:.2f} | {s['later_seconds']:.2f} | {ratio} | "
+            f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
+            f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
+            f"{fmt_gib(s.get('later_max_rss'))} | {'yes' if result['repeat_identical'] else '**no**'} |"
+        )
+    lines += ["", "Per prompt (seconds):", ""]
+    for name, result in results.items():
+        if "records" in result:
+            lines.append(f"- {name}: " + ", ".join(f"{r['seconds']:.2f}" for r in result["records"]))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"))
+    parser.add_argument("--out", type=Path, default=Path("warm"))
+    parser.add_argument("--only", action="append", default=[], help="a configuration's name (repeatable)")
+    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.model_dir = args.model_dir.resolve()
+    if args.one:
+        one(args.one, args)
+        return 0
+    names = args.only or [
+        name for name, c in CONFIGS.items() if c["kind"] not in ("core", "server") or args.comfyui
+    ]
+    if ANCHOR not in names:
+        names.insert(0, ANCHOR)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="warm-"))
+    results: dict = {}
+    # The pre-quantized cache is filled first, so every pack row's first prompt reads it warm.
+    if any(CONFIGS[name]["kind"] in ("pack", "server") for name in names):
+        names = [WARM_UP, *names]
+    for name in names:
+        one_out = work / "one.json"
+        command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--work", str(work)]
+        command += ["--one", name, "--one-out", str(one_out)]
+        if args.comfyui:
+            command += ["--comfyui", str(args.comfyui)]
+        started = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        if proc.returncode != 0 or not one_out.is_file():
+            lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
+            results[name] = {"error": lines[-1] if lines else f"exit {proc.returncode}"}
+            print(f"{name}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        if name != WARM_UP:
+            results[name] = json.loads(one_out.read_text())
+        one_out.unlink()
+        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    anchor = results.get(ANCHOR, {}).get("records")
+    anchor_later = (
+        None if not anchor else sum(r["seconds"] for r in anchor[1 : len(PROMPTS)]) / (len(PROMPTS) - 1)
+    )
+    for result in results.values():
+        if "records" in result:
+            result["summary"] = summary(result["records"], anchor_later)
+    meta = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": SETTINGS,
+        "prompts": PROMPTS,
+    }
+    (args.out / "warm.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    text = markdown(meta, results)
+    (args.out / "warm.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
