@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from .memory import NO_CUDA, format_bytes, free_memory
-from .streaming import bytes_on, move_model
+from .streaming import HostCopy, model_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,8 @@ class CacheHost(Protocol):
 class ModelCache:
     def __init__(self, host_budget: int | None = None) -> None:
         self._models: dict[Hashable, object] = {}  # key -> kept model, or the host's handle of it
-        # key -> (model in CPU memory, its bytes), least recently used first
-        self._pool: OrderedDict[Hashable, tuple[torch.nn.Module, int]] = OrderedDict()
+        # key -> (the model's copy in CPU memory, its bytes), least recently used first
+        self._pool: OrderedDict[Hashable, tuple[HostCopy, int]] = OrderedDict()
         self.host: CacheHost | None = None
         self.host_budget = default_host_budget() if host_budget is None else host_budget
 
@@ -89,13 +89,15 @@ class ModelCache:
         ``weights`` and ``work`` estimate the bytes the stage's model and its run take on ``device``: with a
         host, room for both is made before a load, and the host readies the model with room for ``work``."""
         host = self.host if device is not None else None
+        copy: HostCopy | None = None
         entry = self._models.pop(key, None)
         if entry is not None:
             logger.info("reusing kept model %s", key)
         elif host is None and key in self._pool:
-            entry, size = self._pool.pop(key)
+            copy, size = self._pool.pop(key)
             if device is not None:
-                move_model(entry, device)
+                copy.to(device)
+            entry = copy.model
             logger.info("reusing model %s from host memory (%s)", key, format_bytes(size))
         else:
             if host is not None:
@@ -107,14 +109,14 @@ class ModelCache:
         if keep:
             self._models[key] = entry
         elif host is None and device is not None:
-            self._park(key, entry)
+            self._park(key, entry, copy)
 
-    def _park(self, key: Hashable, model: torch.nn.Module) -> None:
-        """Move ``model`` into CPU memory and into the pool, within the budget (least recently used out)."""
+    def _park(self, key: Hashable, model: torch.nn.Module, copy: HostCopy | None) -> None:
+        """Put ``model`` back into CPU memory (its host copy, made the first time) and into the pool, within
+        the budget (least recently used out)."""
         if self.host_budget <= 0:
             return
-        move_model(model, CPU)
-        size = bytes_on(model, CPU)
+        size = model_bytes(model)
         if size > self.host_budget:
             logger.info(
                 "model %s (%s) is larger than the host memory budget (%s): not kept",
@@ -123,14 +125,18 @@ class ModelCache:
                 format_bytes(self.host_budget),
             )
             return
-        self._pool[key] = (model, size)
+        if copy is None:
+            copy = HostCopy(model)
+        else:
+            copy.back()
+        self._pool[key] = (copy, size)
         while self.pool_bytes() > self.host_budget:
-            evicted, (_model, evicted_size) = self._pool.popitem(last=False)
+            evicted, (_copy, evicted_size) = self._pool.popitem(last=False)
             logger.info("host memory budget: dropped model %s (%s)", evicted, format_bytes(evicted_size))
 
     def pool_bytes(self) -> int:
         """Bytes of CPU memory the models waiting in the pool hold."""
-        return sum(size for _model, size in self._pool.values())
+        return sum(size for _copy, size in self._pool.values())
 
     def pooled(self) -> list[Hashable]:
         """The keys of the models waiting in host memory, least recently used first."""

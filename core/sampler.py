@@ -78,7 +78,7 @@ class SamplerSettings:
     low_vram: bool = False
     fast: bool = False
     transformer_file: str | os.PathLike | None = None
-    quant_cache: Path | None = None
+    quant_cache: str | os.PathLike | None = None
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
@@ -87,6 +87,8 @@ class SamplerSettings:
     def __post_init__(self) -> None:
         for name in ("keep_loaded", "low_vram", "fast"):
             check_flag(name, getattr(self, name))
+        if self.quant_cache is not None:
+            object.__setattr__(self, "quant_cache", Path(self.quant_cache))
         check_number("steps", self.steps, 1, MAX_STEPS, whole=True)
         check_number("cfg", self.cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
         check_number("seed", self.seed, 0, MAX_SEED, whole=True)

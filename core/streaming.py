@@ -201,6 +201,12 @@ def bytes_on(model: torch.nn.Module, device: torch.device | str) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of all the model's parameters and buffers, wherever they are."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def move_model(model: torch.nn.Module, device: torch.device | str) -> None:
     """Move a pack model whole (``Module.to``, which keeps bitsandbytes' ``quant_state`` and quanto's
     scales with their weights): only its resident parts when its blocks are streamed from CPU memory."""
@@ -217,3 +223,58 @@ def move_model(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 CPU = torch.device("cpu")
+
+
+def pin(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor in place, so copies from it to the GPU run at full speed and asynchronously:
+    a plain tensor's or a bitsandbytes weight's storage, a wrapper subclass's inner tensors (optimum-quanto's
+    ``_data`` and ``_scale``). Nothing without CUDA, or for a tensor elsewhere."""
+    if tensor.device.type != "cpu" or not torch.cuda.is_available():
+        return
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _context = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if not inner.is_pinned():
+                setattr(tensor, name, inner.pin_memory())
+    elif not tensor.is_pinned():
+        tensor.data = tensor.data.pin_memory()
+
+
+class HostCopy:
+    """A model kept whole in (page-locked) CPU memory: its tensors there are its home copies. For a run each
+    is copied to the device; after it the device copies are dropped and the home copies put back — nothing
+    is copied back, since the weights never change. The first :class:`HostCopy` of a model on the GPU moves
+    it to CPU memory once. A streamed model (:func:`stream_blocks`) keeps its blocks as they are and only its
+    resident parts move."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        move_model(model, CPU)
+        self.streamer = streamer_of(model)
+        if self.streamer is None:
+            self.slots = _slots(model)
+            self.homes = [getattr(m, kind)[name] for m, kind, name in self.slots]
+            for tensor in self.homes:
+                pin(tensor)
+
+    def to(self, device: torch.device) -> None:
+        """The model on ``device`` for a run (copies queued on the current stream)."""
+        if self.streamer is not None:
+            move_model(self.model, device)
+            return
+        moved: dict[int, torch.Tensor] = {}  # tied weights (T5's shared and embed_tokens) copied once
+        for (m, kind, name), home in zip(self.slots, self.homes, strict=True):
+            if id(home) not in moved:
+                moved[id(home)] = home.to(device, non_blocking=True)
+                _count(home, device)
+            getattr(m, kind)[name] = moved[id(home)]
+
+    def back(self) -> None:
+        """The model in CPU memory again, its device copies dropped."""
+        if self.streamer is not None:
+            move_model(self.model, CPU)
+            return
+        for (m, kind, name), home in zip(self.slots, self.homes, strict=True):
+            getattr(m, kind)[name] = home

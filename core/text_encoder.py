@@ -46,7 +46,7 @@ class EncoderSettings:
     keep_loaded: bool = False
     low_vram: bool = False
     t5_file: str | os.PathLike | None = None
-    quant_cache: Path | None = None
+    quant_cache: str | os.PathLike | None = None
     tokenizer_fallback: Path | None = None
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
@@ -55,6 +55,8 @@ class EncoderSettings:
     def __post_init__(self) -> None:
         check_flag("keep_loaded", self.keep_loaded)
         check_flag("low_vram", self.low_vram)
+        if self.quant_cache is not None:
+            object.__setattr__(self, "quant_cache", Path(self.quant_cache))
         device = as_device(self.device)
         # T5's folder there and readable before anything loads (the tokenizer is found, or the fallback
         # named, by encode() before T5 loads).

@@ -164,3 +164,9 @@ def test_truncated_transformer_entry_is_rebuilt(tiny, tmp_path, caplog):
 def test_unquantized_transformer_does_not_touch_the_cache(tiny, tmp_path):
     sample(tiny, tmp_path, "none")
     assert quant_cache.entries(tmp_path) == []
+
+
+def test_the_cache_folder_may_be_given_as_text(tiny, tmp_path):
+    settings = sampler.SamplerSettings(tiny, quant_cache=str(tmp_path), device="cpu")
+    assert settings.quant_cache == tmp_path
+    assert text_encoder.EncoderSettings(tiny, quant_cache=str(tmp_path)).quant_cache == tmp_path
