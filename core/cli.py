@@ -25,6 +25,7 @@ from . import (
     timeline,
     vae,
 )
+from .cache import cache
 from .devices import PRECISIONS, as_device
 from .models import HUB_IDS, ModelSource, resolve_model
 from .quant.bitsandbytes import quiet_optional_kernel_notice
@@ -229,6 +230,9 @@ def run(args: argparse.Namespace, model: str) -> dict:
     """encode -> sample -> decode, each stage freeing its model; write PNG, report and snapshot."""
     # Every setting is checked before the first model loads (the output folder and prefix in main).
     encoding, sampling, decoding = stage_settings(args, resolve_model(model))
+    # One image per process: nothing to keep models in host memory for (the library's pool is for a
+    # process that makes many).
+    cache.host_budget = 0
     device = encoding.device
     report = memory.MemoryReport()
     if not args.no_snapshot and device.type == "cuda":

@@ -40,6 +40,7 @@ MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 MODEL = "tiny-pixart"
 SDXL_VAE_FILE = "sdxl_vae.safetensors"  # in models/vae when running_server is given sdxl_vae_file
+PACK_LINK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (benchmarks/comfy_server.py)
 SIZE, STEPS = 64, 3  # the tiny model's native size
 
 START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 s

@@ -25,6 +25,7 @@ from comfyui_support import (
     MODEL,
     MODEL_NODES,
     NODE_IDS,
+    PACK_LINK,
     PREVIEW_SIZE,
     PROMPT_TIMEOUT,
     SIZE,
@@ -35,10 +36,28 @@ from comfyui_support import (
     new_files,
     node_id,
     progress_is_throttled,
+    strip_colour,
 )
 from PIL import Image
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
+
+
+def test_the_pack_loads_without_a_traceback(server):
+    """ComfyUI lists the pack among the custom nodes it imported, not as failed, and no Traceback in its
+    start-up log (up to "To see the GUI go to") comes from the pack; ComfyUI's own optional nodes may log
+    theirs for a package the machine lacks."""
+    log = strip_colour(server.log_text())
+    startup = log.split("To see the GUI go to", 1)[0]
+    assert len(startup) < len(log), "the server has not logged that it is up"
+    lines = [line for line in startup.splitlines() if PACK_LINK in line]
+    assert any("seconds" in line for line in lines), "ComfyUI's import times do not list the pack"
+    assert not [line for line in lines if "IMPORT FAILED" in line]
+    tracebacks = startup.split("Traceback (most recent call last):")[1:]
+    ours = [
+        block[:2000] for block in tracebacks if "pixart_lowvram" in block[:2000] or PACK_LINK in block[:2000]
+    ]
+    assert not ours, ours
 
 
 def test_object_info_describes_the_five_nodes(server):

@@ -22,6 +22,7 @@ import requests
 from comfyui_support import (
     HTTP_TIMEOUT,
     MODEL,
+    PACK_LINK,
     PROMPT_TIMEOUT,
     SDXL_VAE_FILE,
     SIZE,
@@ -391,9 +392,6 @@ def test_two_servers_at_once_both_finish(two_servers, tmp_path):
         assert np.array_equal(pixels(a), pixels(b))
 
 
-PACK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (benchmarks/comfy_server.py)
-
-
 @pytest.fixture(scope="module")
 def debug_server(request, tmp_path_factory, tiny_folder):
     """A server that logs at DEBUG level: ComfyUI says "consider renaming it to 'example_workflows'" of a
@@ -409,10 +407,10 @@ def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
     URLs the frontend asks for, and finds the folder under the name it prefers."""
     server = debug_server
     listed = server.get("/workflow_templates")
-    (names,) = [names for pack, names in listed.items() if pack == PACK]
+    (names,) = [names for pack, names in listed.items() if pack == PACK_LINK]
     assert sorted(names) == [path.stem for path in UI_FILES]
     for path in UI_FILES:
-        url = f"{server.url}/api/workflow_templates/{PACK}/{path.stem}"
+        url = f"{server.url}/api/workflow_templates/{PACK_LINK}/{path.stem}"
         workflow = requests.get(f"{url}.json", timeout=HTTP_TIMEOUT)
         assert workflow.ok and workflow.json() == read(path)
         # The frontend (1.27.10, 1.35.9, 1.49.6: ComfyUI 0.3.64, 0.8.0, 0.33.0) asks for a pack's
@@ -424,5 +422,5 @@ def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
     loading = [
         line.strip() for line in strip_colour(log).splitlines() if "Trying to load custom node" in line
     ]
-    assert any(line.endswith(PACK) for line in loading), "the server does not log at DEBUG level"
+    assert any(line.endswith(PACK_LINK) for line in loading), "the server does not log at DEBUG level"
     assert "consider renaming" not in log

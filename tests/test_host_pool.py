@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import cli, sampler, text_encoder, vae
 from pixart_lowvram.core.cache import (
     HOST_BUDGET_ENV,
     ModelCache,
@@ -200,3 +200,11 @@ def test_the_tokenizer_is_read_once_per_process(tiny, reference, monkeypatch, tm
     config.write_text(config.read_text() + "\n")
     run("text_encoder", source, reference, quantization="none")
     assert len(reads) == 3, "a changed file is read again"
+
+
+def test_the_command_line_frees_every_model_after_its_stage(tiny_folder, tmp_path, load_spy, host_pool):
+    """generate makes one image per process: nothing waits in host memory for a next one."""
+    argv = ["generate", "--model", str(tiny_folder), "--out", str(tmp_path), "--steps", "1"]
+    assert cli.main([*argv, "--device", "cpu", "--no-snapshot", "--no-quant-cache"]) == 0
+    assert cache.pooled() == [] and load_spy.total() == 3
+    assert load_spy.alive("text_encoder") == [False] and load_spy.alive("transformer") == [False]
