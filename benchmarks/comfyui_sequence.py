@@ -69,7 +69,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import comfy_server
-import websocket
 from comfy_server import ServerError
 
 from pixart_lowvram.core import client as api
@@ -219,50 +218,6 @@ def interruption(entry: dict) -> dict | None:
     return None
 
 
-def follow(
-    client: api.Client,
-    ws: websocket.WebSocket | None,
-    prompt_id: str,
-    timeout: float,
-    on_message: Callable[[str, dict], None] | None = None,
-) -> dict:
-    """Read the prompt's websocket messages (``on_message`` sees each) until it ends and /history has it;
-    its history entry. /history is polled too, so a lost websocket only slows this down."""
-    deadline = time.monotonic() + timeout
-    next_poll, ended = 0.0, False
-    while True:
-        now = time.monotonic()
-        if now >= deadline:
-            raise StepFailed(f"prompt {prompt_id} did not finish within {timeout:g} s")
-        if ended or now >= next_poll:
-            history = client.get(f"/history/{prompt_id}")
-            if prompt_id in history:
-                return history[prompt_id]
-            next_poll = time.monotonic() + POLL_S
-        if ws is None or ended:
-            time.sleep(min(0.1 if ended else POLL_S, max(deadline - time.monotonic(), 0)))
-            continue
-        ws.settimeout(max(min(next_poll - time.monotonic(), deadline - time.monotonic()), 0.01))
-        try:
-            raw = ws.recv()
-        except websocket.WebSocketTimeoutException:
-            continue
-        except (OSError, websocket.WebSocketException) as exc:
-            logger.warning("websocket lost (%s); following prompt %s through /history", exc, prompt_id)
-            ws = None
-            continue
-        if isinstance(raw, bytes):  # a preview image
-            continue
-        message = json.loads(raw)
-        kind, data = message.get("type"), message.get("data") or {}
-        if data.get("prompt_id") != prompt_id:
-            continue
-        if on_message is not None:
-            on_message(kind, data)
-        if kind in api.ENDED or (kind == "executing" and data.get("node") is None):
-            ended = True
-
-
 class Sequence:
     """The steps against one server; ``steps`` holds each step's record."""
 
@@ -295,16 +250,17 @@ class Sequence:
     def run_prompt(
         self, prompt: dict, record: dict, on_message: Callable[[str, dict], None] | None = None
     ) -> dict:
-        """Queue ``prompt`` and follow it to its end; its history entry. A prompt that outlives its timeout
-        is interrupted, so the steps after it do not queue behind it."""
+        """Queue ``prompt`` and follow it to its end (``on_message`` sees each of its messages); its
+        history entry. A prompt that is not followed to its end (its timeout) is interrupted, so the steps
+        after it do not queue behind it."""
         self.client.check(prompt)
         prompt_id = record["prompt_id"] = str(uuid.uuid4())
         ws = self.client.connect()
         try:
             self.client.submit(prompt, prompt_id)
             try:
-                return follow(self.client, ws, prompt_id, self.settings.prompt_timeout, on_message)
-            except StepFailed:
+                return self.client.wait(ws, prompt_id, self.settings.prompt_timeout, None, on_message)
+            except api.ClientError:
                 with contextlib.suppress(api.ClientError):
                     self.post("/interrupt", {"prompt_id": prompt_id})
                 raise

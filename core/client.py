@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -285,10 +285,18 @@ class Client:
             logger.warning("no websocket at %s (%s); following the prompt through /history", ws_url, exc)
             return None
 
-    def wait(self, ws: websocket.WebSocket | None, prompt_id: str, timeout: float, label: str) -> dict:
-        """Follow ``prompt_id`` until /history has it; return its history entry."""
+    def wait(
+        self,
+        ws: websocket.WebSocket | None,
+        prompt_id: str,
+        timeout: float,
+        label: str | None,
+        on_message: Callable[[str, dict], None] | None = None,
+    ) -> dict:
+        """Follow ``prompt_id`` until /history has it; return its history entry. ``label`` names the
+        progress bar (None: no bar); ``on_message(kind, data)`` sees each of the prompt's messages."""
         deadline = time.monotonic() + timeout
-        with tqdm(desc=label, unit="step", leave=True) as bar:
+        with tqdm(desc=label, unit="step", leave=True, disable=label is None) as bar:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -299,7 +307,7 @@ class Client:
                 done = False
                 if ws is not None:
                     try:
-                        done = self._read(ws, prompt_id, min(remaining, POLL), bar)
+                        done = self._read(ws, prompt_id, min(remaining, POLL), bar, on_message)
                     except websocket.WebSocketTimeoutException:
                         pass
                     except (OSError, websocket.WebSocketException) as exc:
@@ -315,7 +323,13 @@ class Client:
                     time.sleep(0.1)
 
     @staticmethod
-    def _read(ws: websocket.WebSocket, prompt_id: str, timeout: float, bar: tqdm) -> bool:
+    def _read(
+        ws: websocket.WebSocket,
+        prompt_id: str,
+        timeout: float,
+        bar: tqdm,
+        on_message: Callable[[str, dict], None] | None = None,
+    ) -> bool:
         """Read messages for up to ``timeout`` seconds; True once the prompt reports it has ended."""
         ws.settimeout(timeout)
         end = time.monotonic() + timeout
@@ -327,6 +341,8 @@ class Client:
             kind, data = message.get("type"), message.get("data") or {}
             if data.get("prompt_id") != prompt_id:
                 continue
+            if on_message is not None:
+                on_message(kind, data)
             if kind == "progress":
                 bar.total = data.get("max")
                 bar.n = data.get("value", 0)

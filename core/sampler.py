@@ -300,7 +300,7 @@ def _load(settings: SamplerSettings):
         origin = check_weights(weights.folder(["transformer"]) / "transformer", weights.name)
 
     def quantize():
-        return scheme.after_load(_read(settings))
+        return scheme.after_load(_read(settings, origin))
 
     if settings.quant_cache is None or not scheme.backend.saves_quantized:
         model = quantize()
@@ -317,16 +317,14 @@ def _load(settings: SamplerSettings):
     return prepare(model, scheme, settings.device, settings.low_vram, settings.fast, quantized=True)
 
 
-def _read(settings: SamplerSettings):
-    """The transformer's weights as they are on disk, in the settings' dtype, on the CPU."""
+def _read(settings: SamplerSettings, origin: Path):
+    """The transformer's weights as they are on disk (``origin``: its file, or its checked folder), in the
+    settings' dtype, on the CPU."""
     from diffusers import PixArtTransformer2DModel
 
-    weights = settings.weights
-    if isinstance(weights, TransformerFile):
-        return _from_file(weights, settings.dtype)
-    return PixArtTransformer2DModel.from_pretrained(
-        weights.folder(["transformer"]), subfolder="transformer", dtype=settings.dtype, use_safetensors=True
-    )
+    if isinstance(settings.weights, TransformerFile):
+        return _from_file(settings.weights, settings.dtype)
+    return PixArtTransformer2DModel.from_pretrained(origin, dtype=settings.dtype, use_safetensors=True)
 
 
 def _empty(config: dict):

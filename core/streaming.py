@@ -197,14 +197,17 @@ def bytes_on(model: torch.nn.Module, device: torch.device | str) -> int:
     CPU memory). Not ``state_dict()``: bitsandbytes' state_dict unpacks a 4-bit weight that has run on the
     CPU in place, and the model's next run then takes another kernel path."""
     device = torch.device(device)
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values() if _on(t, device))
+    return sum(t.numel() * t.element_size() for t in _tensors(model) if _on(t, device))
 
 
 def model_bytes(model: torch.nn.Module) -> int:
     """The bytes of all the model's parameters and buffers, wherever they are."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in _tensors(model))
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and buffers, each once (a tied weight is one tensor)."""
+    return list({id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
 
 
 def move_model(model: torch.nn.Module, device: torch.device | str) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+from comfyui_sequence import with_core_decode  # benchmarks/, on pytest's pythonpath
 from comfyui_support import (
     HTTP_TIMEOUT,
     SDXL_VAE_FILE,
@@ -56,24 +57,11 @@ def saved_images(server, run: Run, node: str) -> list[np.ndarray]:
     ]
 
 
-def with_core_decode(prompt: dict, latent: list, prefix: str) -> dict:
-    """``prompt`` plus core VAELoader (sdxl_vae.safetensors) → VAEDecode → SaveImage on ``latent``."""
-    return prompt | {
-        "core_vae": {"class_type": "VAELoader", "inputs": {"vae_name": SDXL_VAE_FILE}},
-        "core_decode": {"class_type": "VAEDecode", "inputs": {"samples": latent, "vae": ["core_vae", 0]}},
-        "core_save": {
-            "class_type": "SaveImage",
-            "inputs": {"images": ["core_decode", 0], "filename_prefix": prefix},
-        },
-    }
-
-
 def test_core_vae_decode_of_the_pack_latent_equals_the_pack_decode(server):
     prompt = basic_prompt(seed=5)
-    sampler = node_id(prompt, "PixArtQ_Sampler")
     save = node_id(prompt, "SaveImage")
     prompt[save]["inputs"]["filename_prefix"] = "pack_decode"
-    run = server.run(with_core_decode(prompt, [sampler, 0], "core_decode"))
+    run = server.run(with_core_decode(prompt, "core_decode"))
     (pack,) = saved_images(server, run, save)
     (core,) = saved_images(server, run, "core_save")
     assert pack.shape == core.shape == (64, 64, 3)
@@ -179,7 +167,7 @@ def test_comfyui_free_endpoint_offloads_kept_models_and_the_next_prompt_reuses_t
     and a third prompt succeeds, reusing them."""
     kept_count(server)  # start with no kept models
     for seed in (21, 22):
-        kept = server.run(with_core_decode(pack_prompt(keep=True, seed=seed), ["2", 0], f"mixed_{seed}"))
+        kept = server.run(with_core_decode(pack_prompt(keep=True, seed=seed), f"mixed_{seed}"))
         assert kept.status == "success", kept.error
     log_start = server.log.stat().st_size
     # The worker handles /free's flags when the queue wakes it; a /free that arrives while the worker is
@@ -212,7 +200,7 @@ def test_a_mixed_graph_with_kept_pack_models_runs_twice(server):
     """Core VAELoader/VAEDecode beside the pack's kept models: the second run reuses the pack's models and
     decodes the same image (a different seed for the core branch is not needed: same prompt, same seed)."""
     kept_count(server)
-    prompt = with_core_decode(pack_prompt(keep=True, seed=23), ["2", 0], "mixed_core")
+    prompt = with_core_decode(pack_prompt(keep=True, seed=23), "mixed_core")
     first = server.run(prompt)
     prompt["core_save"]["inputs"]["filename_prefix"] = "mixed_core_again"  # runs the graph's tail again
     log_start = server.log.stat().st_size
