@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,6 +63,10 @@ CONFIGS: dict[str, dict] = {
     "anchor: diffusers fp16, all on the GPU": {"kind": "anchor"},
     "pack defaults": {"kind": "pack"},
     "pack defaults, 3.0 GiB cap": {"kind": "pack", "cap_gib": 3.0},
+    "pack defaults, expandable segments": {
+        "kind": "pack",
+        "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    },
     "pack fast": {"kind": "pack", "fast": True},
     "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0},
     "ComfyUI core, card told 8 GB": {"kind": "core", "card_gb": 8.0},
@@ -104,6 +109,34 @@ class Prompt:
         }
 
 
+PROFILED = 2  # the prompt that --profile records (a later one)
+
+
+@contextmanager
+def profiled(out: str | None):
+    """torch's profiler around one prompt, its tables (CPU and CUDA time) written to ``out``."""
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    averages = prof.key_averages()
+    Path(out).write_text(
+        averages.table(sort_by="cpu_time_total", row_limit=45)
+        + "\n\n"
+        + averages.table(sort_by="self_cuda_time_total", row_limit=30)
+    )
+
+
+def digest(tensor: torch.Tensor) -> str:
+    import hashlib
+
+    data = tensor.detach().cpu().contiguous().flatten().view(torch.uint8)
+    return hashlib.sha256(data.numpy()).hexdigest()[:16]
+
+
 def cap(gib: float | None) -> None:
     if gib:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -137,19 +170,20 @@ def run_anchor(model_dir: Path) -> tuple[list[dict], list[torch.Tensor]]:
 
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
-    from pixart_lowvram.core import models, sampler, text_encoder, vae
+    from pixart_lowvram.core import memory, models, sampler, text_encoder, vae
     from pixart_lowvram.core.cache import cache
 
     cap(config.get("cap_gib"))
     source = models.resolve_model(str(model_dir))
     low_vram, fast = config.get("low_vram", False), config.get("fast", False)
     records, images = [], []
-    for text, seed in [*PROMPTS, REPEAT][: config.get("prompts")]:
-        with Prompt() as p:
+    for index, (text, seed) in enumerate([*PROMPTS, REPEAT][: config.get("prompts")]):
+        report = memory.MemoryReport()
+        with Prompt() as p, profiled(config.get("profile") if index == PROFILED else None):
             encoding = text_encoder.EncoderSettings(
                 source, device="cuda", low_vram=low_vram, quant_cache=quant_cache
             )
-            embeds = text_encoder.encode(encoding, text, "")
+            embeds = text_encoder.encode(encoding, text, "", report=report)
             sampling = sampler.SamplerSettings(
                 source,
                 **SETTINGS,
@@ -159,11 +193,19 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
                 fast=fast,
                 quant_cache=quant_cache,
             )
-            latents = sampler.sample(sampling, embeds)
+            latents = sampler.sample(sampling, embeds, report=report)
             decoding = vae.DecoderSettings(source, device="cuda", tiling="on" if low_vram else "auto")
-            image = vae.decode(decoding, latents)
+            image = vae.decode(decoding, latents, report=report)
         records.append(
-            p.record | {"pool_bytes": cache.pool_bytes(), "allocated_after": torch.cuda.memory_allocated()}
+            p.record
+            | {
+                "pool_bytes": cache.pool_bytes(),
+                "allocated_after": torch.cuda.memory_allocated(),
+                "stages": {s.stage: round(s.seconds, 3) for s in report.stages},
+                "stage_peaks": {s.stage: (s.peak_allocated, s.peak_reserved) for s in report.stages},
+                # which stage's output differs when the 6th image differs from the 1st
+                "digests": {"embeds": digest(embeds.prompt_embeds), "latents": digest(latents)},
+            }
         )
         images.append(image)
     return records, images
@@ -249,6 +291,8 @@ def one(name: str, args: argparse.Namespace) -> None:
     config = CONFIGS[name]
     kind = config["kind"]
     work = Path(args.work)
+    if args.profile:
+        config = config | {"profile": str(Path(args.profile) / (slug(name) + ".txt"))}
     if kind == "anchor":
         records, images = run_anchor(args.model_dir)
     elif kind == "pack":
@@ -261,6 +305,10 @@ def one(name: str, args: argparse.Namespace) -> None:
         records, images = run_server(args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)))
     result = {"records": records, "repeat_identical": bool(torch.equal(images[0], images[-1]))}
     Path(args.one_out).write_text(json.dumps(result))
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")[:60]
 
 
 def summary(records: list[dict], anchor: float | None) -> dict:
@@ -321,6 +369,7 @@ def main() -> int:
     parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"))
     parser.add_argument("--out", type=Path, default=Path("warm"))
     parser.add_argument("--only", action="append", default=[], help="a configuration's name (repeatable)")
+    parser.add_argument("--profile", default=None, help="a folder: torch profiler tables of prompt 3")
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
@@ -344,10 +393,14 @@ def main() -> int:
         one_out = work / "one.json"
         command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--work", str(work)]
         command += ["--one", name, "--one-out", str(one_out)]
+        if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            command += ["--profile", str(Path(args.profile).resolve())]
         if args.comfyui:
             command += ["--comfyui", str(args.comfyui)]
         started = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        env = os.environ | CONFIGS[name].get("env", {})
+        proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0 or not one_out.is_file():
             lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
             results[name] = {"error": lines[-1] if lines else f"exit {proc.returncode}"}

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from .memory import NO_CUDA, format_bytes, free_memory
+from .memory import NO_CUDA, format_bytes, free_memory, model_let_go
 from .streaming import HostCopy, model_bytes
 
 logger = logging.getLogger(__name__)
@@ -105,17 +105,18 @@ class ModelCache:
             model = load()
             entry = host.hold(key, model, device) if host is not None else model
             del model
+            model_let_go()  # what loading left behind (seconds of work: the collection costs nothing here)
         yield host.ready(entry, work) if host is not None else entry
         if keep:
             self._models[key] = entry
-        elif host is None and device is not None:
-            self._park(key, entry, copy)
+        elif host is not None or device is None or not self._park(key, entry, copy):
+            model_let_go()
 
-    def _park(self, key: Hashable, model: torch.nn.Module, copy: HostCopy | None) -> None:
+    def _park(self, key: Hashable, model: torch.nn.Module, copy: HostCopy | None) -> bool:
         """Put ``model`` back into CPU memory (its host copy, made the first time) and into the pool, within
-        the budget (least recently used out)."""
+        the budget (least recently used out); False when it does not go there."""
         if self.host_budget <= 0:
-            return
+            return False
         size = model_bytes(model)
         if size > self.host_budget:
             logger.info(
@@ -124,7 +125,7 @@ class ModelCache:
                 format_bytes(size),
                 format_bytes(self.host_budget),
             )
-            return
+            return False
         if copy is None:
             copy = HostCopy(model)
         else:
@@ -132,7 +133,9 @@ class ModelCache:
         self._pool[key] = (copy, size)
         while self.pool_bytes() > self.host_budget:
             evicted, (_copy, evicted_size) = self._pool.popitem(last=False)
+            model_let_go()
             logger.info("host memory budget: dropped model %s (%s)", evicted, format_bytes(evicted_size))
+        return True
 
     def pool_bytes(self) -> int:
         """Bytes of CPU memory the models waiting in the pool hold."""

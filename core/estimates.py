@@ -26,6 +26,10 @@ TRANSFORMER_WORK_PER_MEGAPIXEL = int(0.3 * GIB)
 T5_LAYERS, TRANSFORMER_BLOCKS, BLOCKS_IN_FLIGHT = 24, 28, 2
 T5_STREAMED_EXTRA = int(0.2 * GIB)  # quantization state, final norm, activations
 
+# What low-VRAM mode holds a stage to: a model whose whole weights and run fit is kept whole on the device
+# for its run (the int8 transformer at 1024²: 0.87 GiB), a larger one streams its blocks (T5-XXL in nf4).
+LOW_VRAM_BUDGET = 1 * GIB
+
 
 def text_encoder(scheme: Scheme, dtype: torch.dtype, low_vram: bool = False) -> tuple[int, int]:
     """(weights, work) of the T5 stage; the run itself is small next to the weights (300 tokens)."""
@@ -36,11 +40,20 @@ def text_encoder(scheme: Scheme, dtype: torch.dtype, low_vram: bool = False) -> 
 
 
 def transformer(
-    scheme: Scheme, dtype: torch.dtype, images: int, pixels: int, low_vram: bool = False
+    scheme: Scheme,
+    dtype: torch.dtype,
+    images: int,
+    pixels: int,
+    low_vram: bool = False,
+    dense: bool = False,
 ) -> tuple[int, int]:
-    """(weights, work) of the sampler stage for ``images`` images of ``pixels`` pixels each."""
+    """(weights, work) of the sampler stage for ``images`` images of ``pixels`` pixels each; ``low_vram``:
+    its blocks streamed; ``dense``: its quantized weights held expanded to ``dtype`` for the run (the work
+    then includes that copy)."""
     work = TRANSFORMER_WORK_PER_MEGAPIXEL * images * pixels // MEGAPIXEL
     weights = TRANSFORMER_PARAMETERS * scheme.bytes_at(dtype)
     if low_vram:
         weights = weights * BLOCKS_IN_FLIGHT // TRANSFORMER_BLOCKS
+    if dense:
+        work += TRANSFORMER_PARAMETERS * dtype.itemsize
     return weights, work

@@ -42,9 +42,24 @@ def cuda_in_use(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def free_memory() -> None:
-    """Collect garbage and hand cached CUDA blocks back to the driver."""
-    gc.collect()
+# Set when a model was let go (:func:`model_let_go`): the end of the stage collects garbage then.
+_model_let_go = False
+
+
+def model_let_go() -> None:
+    """A model was let go: the stage's end collects garbage, since models hold reference cycles (hooks,
+    back-references) that only the collector frees. A stage whose model was kept or put in the host-memory
+    pool skips the collection, which takes a tenth of a second or more in a process of this size."""
+    global _model_let_go
+    _model_let_go = True
+
+
+def free_memory(collect: bool = True) -> None:
+    """Collect garbage (``collect``) and hand cached CUDA blocks back to the driver."""
+    global _model_let_go
+    if collect:
+        _model_let_go = False
+        gc.collect()
     if torch.cuda.is_available():
         # cuBLAS keeps a 32 MiB workspace from the caching allocator for the life of the process; left
         # alone it pins the segment it sits in (transformers' loading warm-up makes that a 4 GB one).
@@ -52,6 +67,13 @@ def free_memory() -> None:
         if clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()
+
+
+def device_room(device: torch.device | str) -> int:
+    """Bytes a new allocation on ``device`` can take: the driver's free memory plus what the allocator
+    holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 @dataclass
@@ -216,7 +238,7 @@ def stage(
             record.peak_reserved = torch.cuda.max_memory_reserved(device)
         if report is not None:
             report.add(record)
-        free_memory()
+        free_memory(collect=record.error is not None or _model_let_go)
         logger.info("stage %s", " | ".join(record.cells()))
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,11 +55,15 @@ class SamplerSettings:
     to :func:`sample` sets the size instead. ``denoise`` below 1 needs that latent (image-to-image).
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/; ``model`` still gives the scheduler and the VAE's scaling factor.
-    ``low_vram`` keeps the transformer in CPU memory and streams its blocks to the GPU one at a time.
-    ``fast`` runs the blocks compiled (``torch.compile``), their quantized weights expanded to ``dtype``
-    inside the compiled code one weight at a time, for fp16 matrix products: faster than quanto's kernels,
-    at the quantized model's memory; the first image of a process, and of each new size, waits for the
-    compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it. With
+    The quantized layers compute what quanto's own CUDA kernels compute (the weight expanded, then an fp16
+    matrix product) as plain torch layers; on a GPU, and without ``low_vram``, they hold their weights
+    expanded for the run (``dense``: about 1.2 GiB more at 1024², still below T5's peak, when the device has
+    the room), so a run costs what the unquantized model's does while the int8 weights are what is kept,
+    pooled and copied. ``low_vram`` holds the stage to :data:`estimates.LOW_VRAM_BUDGET`: the quantized
+    transformer stays whole on the GPU for its run when it fits (the int8 model at 1024²), else it stays in
+    CPU memory and its blocks stream to the GPU one at a time (:meth:`streamed`).
+    ``fast`` runs the blocks compiled (``torch.compile``); the first image of a process, and of each new
+    size, waits for the compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it. With
     ``quant_cache`` (a folder) the quantized transformer is saved there on first use and read back later
     (:mod:`quant_cache`), as T5 is."""
 
@@ -135,7 +141,18 @@ class SamplerSettings:
         return self.config.get("caption_channels", 4096)
 
     @property
-    def cache_key(self) -> tuple:
+    def dense(self) -> bool:
+        """Whether a run holds the quantized weights expanded (on a GPU, without low_vram, when quantized)."""
+        return self.device.type == "cuda" and not self.low_vram and self.scheme.quantized
+
+    def streamed(self, images: int, pixels: int) -> bool:
+        """Whether a run of ``images`` images of ``pixels`` pixels streams the blocks from CPU memory: with
+        low_vram, when the whole transformer and its run would not fit in the low-VRAM budget."""
+        if not self.low_vram:
+            return False
+        return sum(estimates.transformer(self.scheme, self.dtype, images, pixels)) > estimates.LOW_VRAM_BUDGET
+
+    def cache_key(self, images: int, pixels: int) -> tuple:
         """What a kept transformer is found by: the same weights, quantized and placed the same way."""
         return (
             "transformer",
@@ -144,12 +161,15 @@ class SamplerSettings:
             self.dtype,
             str(self.device),
             self.low_vram,
+            self.streamed(images, pixels),
             self.fast,
         )
 
     def device_bytes(self, images: int, pixels: int) -> tuple[int, int]:
         """(weights, work) bytes the stage holds on its device for ``images`` images of ``pixels`` pixels."""
-        return estimates.transformer(self.scheme, self.dtype, images, pixels, self.low_vram)
+        return estimates.transformer(
+            self.scheme, self.dtype, images, pixels, self.streamed(images, pixels), self.dense
+        )
 
     def out_of_memory_advice(self) -> str:
         steps = (
@@ -287,11 +307,10 @@ def _from_file(weights: TransformerFile, dtype: torch.dtype):
     return model
 
 
-def _load(settings: SamplerSettings):
-    """The transformer, quantized, on the settings' device; with ``low_vram`` quantized in CPU memory and its
-    blocks streamed to the device one at a time (:mod:`streaming`). ``fast``: the blocks' quantized
-    layers hold plain tensors and expand them as they run (``plain_modules``), and the blocks are
-    compiled. With ``settings.quant_cache`` a scheme whose backend saves its work is quantized once and
+def _load(settings: SamplerSettings, streamed: bool):
+    """The transformer, quantized, its quantized layers plain ones (``plain_modules``), on the settings'
+    device; ``streamed``: quantized in CPU memory and its blocks streamed to the device one at a time
+    (:mod:`streaming`). ``fast``: the blocks are compiled. With ``settings.quant_cache`` a scheme whose backend saves its work is quantized once and
     read back from there afterwards (:mod:`quant_cache`)."""
     weights, scheme = settings.weights, settings.scheme
     if isinstance(weights, TransformerFile):
@@ -314,7 +333,7 @@ def _load(settings: SamplerSettings):
             build=quantize,
             save=scheme.backend.save_quantized,
         )
-    return prepare(model, scheme, settings.device, settings.low_vram, settings.fast, quantized=True)
+    return prepare(model, scheme, settings.device, streamed, settings.fast, quantized=True)
 
 
 def _read(settings: SamplerSettings, origin: Path):
@@ -346,13 +365,12 @@ def prepare(
     quantized: bool = False,
 ):
     """A loaded transformer (on the CPU) quantized — unless ``quantized`` says it is already — and made
-    ready to run on ``device`` (see ``_load``)."""
+    ready to run on ``device`` (see ``_load``); ``low_vram``: its blocks streamed."""
     if not quantized:
         model = scheme.after_load(model)
     model.eval()
     blocks = model.transformer_blocks
-    if fast:
-        scheme.plain_modules(blocks)
+    scheme.plain_modules(model)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:
@@ -360,6 +378,29 @@ def prepare(
     if fast:
         compile_blocks(blocks)
     return model
+
+
+@contextlib.contextmanager
+def _dense(settings: SamplerSettings, transformer, work: int) -> Iterator[None]:
+    """The run with the quantized weights held expanded (:attr:`SamplerSettings.dense`) when the device has
+    room for them beside the run's ``work``; otherwise each layer expands its weight as it runs (the same
+    numbers, more kernel launches)."""
+    if not settings.dense:
+        yield
+        return
+    needed = settings.scheme.dense_bytes(transformer) + work
+    room = memory.device_room(settings.device)
+    if needed > room:
+        logger.info(
+            "sampler: %s free on %s, %s needed to hold the weights expanded; expanding them per layer",
+            memory.format_bytes(room),
+            settings.device,
+            memory.format_bytes(needed),
+        )
+        yield
+        return
+    with settings.scheme.dense_weights(transformer):
+        yield
 
 
 COMPILE_BACKEND = "inductor"
@@ -454,10 +495,20 @@ def _sample(settings: SamplerSettings, embeds, latents, schedule, generator, on_
 
     device, dtype = settings.device, settings.dtype
     total = settings.steps - schedule.skip
-    room = settings.device_bytes(latents.shape[0], latents.shape[-1] * latents.shape[-2] * 64)
-    with cache.use(
-        settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *room
-    ) as transformer:
+    size = latents.shape[0], latents.shape[-1] * latents.shape[-2] * 64  # images, pixels each
+    streamed = settings.streamed(*size)
+    weights, work = settings.device_bytes(*size)
+    with (
+        cache.use(
+            settings.cache_key(*size),
+            lambda: _load(settings, streamed),
+            settings.keep_loaded,
+            device,
+            weights,
+            work,
+        ) as transformer,
+        _dense(settings, transformer, work),
+    ):
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule
         )

@@ -173,9 +173,7 @@ def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: to
         return tiling == "on"
     if not memory.cuda_in_use(device):
         return False
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return untiled_bytes(samples, dtype) > free + cached
+    return untiled_bytes(samples, dtype) > memory.device_room(device)
 
 
 def decode(

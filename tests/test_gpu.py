@@ -206,7 +206,9 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda, stage, monkeypatch):
     """While a block runs, only it and the next (prefetched) have weights on the GPU; the result
     matches the model loaded whole; nothing stays allocated afterwards."""
-    from pixart_lowvram.core import streaming
+    from pixart_lowvram.core import estimates, streaming
+
+    monkeypatch.setattr(estimates, "LOW_VRAM_BUDGET", 0)  # the int8 transformer streams though it fits
 
     on_gpu: list[list[int]] = []
     original = streaming.BlockStreamer.__init__
@@ -244,6 +246,60 @@ def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda,
     assert on_gpu and all(len(loaded) <= 2 for loaded in on_gpu), on_gpu
     count = tiny.config(stage)["num_layers"]
     assert [loaded[0] for loaded in on_gpu[:count]] == list(range(count))
+
+
+@pytest.mark.parametrize("quantization", ["qint8", "qfloat8"])
+def test_plain_and_dense_layers_give_quantos_own_latents(tiny, reference, cuda, quantization):
+    """On CUDA the sampler's plain layers, expanding per call or holding the expanded weights for the run,
+    compute what quanto's own kernels compute, bit for bit; the dense run holds the expanded weights
+    during the run only."""
+    from diffusers import PixArtSigmaPipeline
+
+    from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
+    from pixart_lowvram.core.schedulers import make_scheduler
+
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization=quantization)
+    scheme = TRANSFORMER_SCHEMES[quantization]
+    model = scheme.after_load(sampler._read(settings, tiny.folder(["transformer"]) / "transformer"))
+    model = model.to(cuda).eval()
+    embeds = reference.embeds
+
+    def run():
+        pipe = PixArtSigmaPipeline(
+            tokenizer=None,
+            text_encoder=None,
+            vae=None,
+            transformer=model,
+            scheduler=make_scheduler("dpmsolver++", tiny.config("scheduler")),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+        return pipe(
+            negative_prompt=None,
+            prompt_embeds=embeds.prompt_embeds.to(cuda, settings.dtype),
+            prompt_attention_mask=embeds.prompt_mask.to(cuda),
+            negative_prompt_embeds=embeds.negative_embeds.to(cuda, settings.dtype),
+            negative_prompt_attention_mask=embeds.negative_mask.to(cuda),
+            latents=latents.to(cuda, settings.dtype),
+            width=64,
+            height=64,
+            num_inference_steps=SETTINGS["steps"],
+            guidance_scale=SETTINGS["cfg"],
+            output_type="latent",
+            use_resolution_binning=False,
+            return_dict=False,
+        )[0]
+
+    with torch.inference_mode():
+        by_quanto = run()
+        assert scheme.plain_modules(model) > 0
+        plain = run()
+        before = torch.cuda.memory_allocated(cuda)
+        with scheme.dense_weights(model):
+            assert torch.cuda.memory_allocated(cuda) - before >= scheme.dense_bytes(model) > 0
+            dense = run()
+        assert torch.cuda.memory_allocated(cuda) == before
+    assert torch.equal(plain, by_quanto) and torch.equal(dense, by_quanto)
 
 
 @pytest.mark.parametrize("low_vram", [False, True])

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from pixart_lowvram.core import sampler, streaming, text_encoder
+from pixart_lowvram.core import estimates, sampler, streaming, text_encoder
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
 
@@ -55,7 +55,8 @@ def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, bl
 
 
 @pytest.mark.parametrize("quantization", ["none", "qint8"])
-def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantization, block_log):
+def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantization, block_log, monkeypatch):
+    monkeypatch.setattr(estimates, "LOW_VRAM_BUDGET", 0)  # every run streams, even the int8 one that fits
     options = {"device": "cpu", "precision": torch.float32, "quantization": quantization}
     plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
     streamed = sampler.sample(
@@ -64,6 +65,25 @@ def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantizati
     torch.testing.assert_close(streamed, plain, rtol=0, atol=0)
     blocks = tiny.config("transformer")["num_layers"]
     assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(blocks)] * 2
+
+
+def test_a_transformer_that_fits_the_budget_is_not_streamed(tiny, reference, block_log):
+    """low_vram holds the stage to the budget: the int8 transformer and its run fit whole (0.87 GiB at
+    1024²), so it is not streamed; fp16, 2048² or a batch of two do not fit, and stream."""
+    options = {"device": "cpu", "precision": torch.float32, "quantization": "qint8"}
+    plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    low = sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options)
+    torch.testing.assert_close(sampler.sample(low, reference.embeds), plain, rtol=0, atol=0)
+    assert block_log == []  # no streamer was made
+    megapixel = 1024 * 1024
+    half = {"device": "cpu", "precision": torch.float16}
+    assert not sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(1, megapixel)
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(1, 4 * megapixel)
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(2, megapixel)
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True, quantization="none").streamed(1, megapixel)
+    assert not sampler.SamplerSettings(tiny, **half).streamed(1, 4 * megapixel)  # only with low_vram
+    resident, streamed = (low.cache_key(1, pixels) for pixels in (megapixel, 4 * megapixel))
+    assert resident != streamed  # a kept model is found only for the placement it was made for
 
 
 def test_t5_token_embeddings_run_on_the_cpu(tiny, reference, monkeypatch):

@@ -56,6 +56,12 @@ class Scheme:
     def plain_modules(self, module: torch.nn.Module) -> int:
         return self.backend.plain_modules(module)
 
+    def dense_weights(self, module: torch.nn.Module):
+        return self.backend.dense_weights(module)
+
+    def dense_bytes(self, module: torch.nn.Module) -> int:
+        return self.backend.dense_bytes(module)
+
     def keeps_fp32_modules(self) -> bool:
         return self.backend.keeps_fp32_modules(self.name)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,17 @@ class QuantBackend:
 
     def plain_modules(self, module: torch.nn.Module) -> int:
         """Turn the library's quantized layers under ``module`` into plain torch layers that hold the
-        quantized weights as plain tensors and expand them in ``forward`` (the fast sampler path, which
-        compiles them); return how many."""
+        quantized weights as plain tensors and expand them in ``forward`` (what the sampler runs: eager, or
+        compiled on the fast path); return how many."""
+        return 0
+
+    def dense_weights(self, module: torch.nn.Module) -> AbstractContextManager[int]:
+        """For the body, the plain layers under ``module`` hold their weights expanded to the compute dtype
+        (:meth:`dense_bytes` more device memory) and skip the expansion per call; yields how many layers."""
+        return nullcontext(0)
+
+    def dense_bytes(self, module: torch.nn.Module) -> int:
+        """Device bytes :meth:`dense_weights` adds for ``module``."""
         return 0
 
     def keeps_fp32_modules(self, scheme: str) -> bool:

@@ -1,0 +1,91 @@
+"""The sampler's quantized layers as plain torch layers (core/quant/quanto.py): quanto's own numbers, the
+weights held expanded for a run where the device has the room (``dense``), the placement low_vram picks,
+and the stage's garbage collection only when a model was let go. On the CPU; the GPU tier checks the
+same layers against quanto's CUDA kernels bit for bit (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pixart_lowvram.core import estimates, memory, sampler
+from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
+from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_linears
+
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
+MEGAPIXEL = 1024 * 1024
+
+
+def _quantized(scheme: str, dtype: torch.dtype) -> torch.nn.Sequential:
+    from optimum import quanto
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 16, bias=False))
+    model = model.to(dtype)
+    quanto.quantize(model, weights=getattr(quanto, scheme))
+    quanto.freeze(model)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scheme", ["qint8", "qfloat8"])
+def test_plain_and_dense_layers_compute_quantos_numbers(scheme, dtype):
+    """quanto's formula (the weight expanded, a product, the bias after): its own numbers wherever it
+    uses that formula itself (here fp32 and fp16 on the CPU; on CUDA for every dtype)."""
+    model = _quantized(scheme, dtype)
+    x = torch.randn(2, 3, 64, dtype=dtype)
+    by_quanto = model(x)
+    assert plain_linears(model) == 2
+    assert torch.equal(model(x), by_quanto)
+    with dense_weights(model) as layers:
+        assert layers == 2
+        assert [m.weight_dense.dtype for m in model if isinstance(m, ScaledWeightLinear)] == [dtype] * 2
+        assert torch.equal(model(x), by_quanto)
+    assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))
+
+
+def test_dense_weights_are_dropped_when_the_run_fails():
+    model = _quantized("qint8", torch.float32)
+    plain_linears(model)
+    assert dense_bytes(model) == (32 * 64 + 16 * 32) * 4
+    with pytest.raises(RuntimeError, match="cancelled"), dense_weights(model):
+        raise RuntimeError("cancelled")
+    assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))
+    # never saved: the expanded weight is the run's, not the model's
+    assert not any("dense" in name for name in model.state_dict())
+
+
+def test_the_sampler_runs_plain_layers(tiny, reference, load_spy, host_pool):
+    options = {"device": "cpu", "precision": torch.float32}
+    sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    model = load_spy.last("transformer")()  # alive: waiting in the host-memory pool
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "ScaledWeightLinear" in kinds and "QLinear" not in kinds
+
+
+def test_which_runs_hold_dense_weights(tiny):
+    """On a GPU without low_vram, quantized: dense (device bytes include the expanded copy); otherwise not."""
+    on_cpu = sampler.SamplerSettings(tiny, device="cpu")
+    assert not on_cpu.dense
+    qint8 = TRANSFORMER_SCHEMES["qint8"]
+    weights, work = on_cpu.device_bytes(1, MEGAPIXEL)
+    assert (weights, work) == estimates.transformer(qint8, on_cpu.dtype, 1, MEGAPIXEL)
+    dense = estimates.transformer(qint8, torch.float16, 1, MEGAPIXEL, dense=True)
+    assert dense[1] - work == estimates.TRANSFORMER_PARAMETERS * 2  # the fp16 copy, during the run
+    assert sum(dense) < 2.75 * estimates.GIB  # under T5's peak: the image's peak is unchanged
+
+
+@pytest.mark.parametrize("pool", ["on", "off"])
+def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference, monkeypatch, pool, request):
+    """Collecting takes a tenth of a second or more in a large process: a stage whose model waits in the
+    host-memory pool skips it; one whose model was loaded or dropped collects."""
+    if pool == "on":
+        request.getfixturevalue("host_pool")
+    collected = []
+    monkeypatch.setattr(memory.gc, "collect", lambda *args: collected.append(1) or 0)
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, device="cpu", precision=torch.float32)
+    sampler.sample(settings, reference.embeds)
+    assert collected, "a fresh load collects what loading left behind"
+    collected.clear()
+    sampler.sample(settings, reference.embeds)
+    assert bool(collected) == (pool == "off"), "pooled: nothing to collect; dropped: collected"
