@@ -11,7 +11,10 @@ pixart-full --device cuda --steps 2``):
   pool on, so later prompts load nothing from disk); ``pack defaults, 3.0 GiB cap``: the same with the
   allocator capped at 3.0 GiB (``torch.cuda.set_per_process_memory_fraction``);
 - ``pack fast``: the sampler's compiled path;
-- ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB;
+- ``pack defaults, expandable segments``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  (what the caching allocator reserves beyond what is allocated);
+- ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB; and
+  ``pack low-VRAM + fast``, the same with the compiled sampler;
 - ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
   memory manager told the card has 8 GB (benchmarks/comfyui_path.py's ``simulate_card``), the loaded models
   kept referenced between prompts as a server's node cache keeps them.
@@ -19,11 +22,13 @@ pixart-full --device cuda --steps 2``):
 Through a server (with ``--comfyui``; the pack's bundled basic workflow, same prompts and seeds):
 ``server: pack defaults`` and ``server: pack keep_loaded``.
 
-Per prompt: seconds (wall clock, the stages or the HTTP round trip), GPU peak allocated and reserved (in one
-process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
+Per prompt: seconds (wall clock, the stages or the HTTP round trip) and each stage's seconds and peaks,
+GPU peak allocated and reserved (in one process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
 the pack copied from CPU memory to the GPU (``core.streaming.copied_to_device``: models moved back from host
 memory and streamed blocks; reads from disk are not counted), and what the pack's host-memory pool holds. A
-sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit.
+sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit (digests of
+each prompt's embeddings and latents say which stage differs when it does). ``--profile DIR`` writes torch
+profiler tables of the third prompt of each configuration.
 
     python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
 
@@ -69,6 +74,7 @@ CONFIGS: dict[str, dict] = {
     },
     "pack fast": {"kind": "pack", "fast": True},
     "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0},
+    "pack low-VRAM + fast, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "fast": True, "cap_gib": 1.0},
     "ComfyUI core, card told 8 GB": {"kind": "core", "card_gb": 8.0},
     "server: pack defaults": {"kind": "server"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},

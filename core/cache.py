@@ -1,5 +1,5 @@
 """The models a stage uses: kept loaded between runs when a node asks for it (``keep_loaded``), and
-otherwise, on its own (the command line, the library), waiting in host memory for the next run.
+otherwise waiting in host memory for the next run.
 
 After a stage that does not keep its model, the model leaves the device — moved whole into CPU memory,
 quantized as it is — and waits in a pool bounded by a byte budget (``host_budget``, default 4 GiB,
@@ -11,7 +11,8 @@ The cache knows nothing of the host application. A host that manages memory itse
 :class:`CacheHost`: it is asked to make room before a stage loads, holds each loaded model in its own
 books (a handle the cache keeps while the model is kept), and readies the model on its device for each
 run — which may mean moving it back after the host offloaded it to make room for its own models. With a
-host, the host's own offloading is what keeps models in host memory (kept ones); the pool is not used."""
+host, a model that is not kept is offloaded by the host itself (ComfyUI unloads it as one of its own) and
+its handle waits in the same pool, under the same budget."""
 
 from __future__ import annotations
 
@@ -61,14 +62,20 @@ class CacheHost(Protocol):
         cache keeps (the host holds it weakly: the model is dropped when the cache lets go)."""
 
     def ready(self, handle: object, work: int) -> torch.nn.Module:
-        """The model of ``handle`` on its device with room for ``work`` more bytes, for a run."""
+        """The model of ``handle`` on its device with room for ``work`` more bytes, for a run (moved back
+        when it was offloaded)."""
+
+    def offload(self, handle: object) -> None:
+        """Take the model of ``handle`` off its device into host memory, where it waits for a later
+        :meth:`ready` (the pool holds the handle)."""
 
 
 class ModelCache:
     def __init__(self, host_budget: int | None = None) -> None:
         self._models: dict[Hashable, object] = {}  # key -> kept model, or the host's handle of it
-        # key -> (the model's copy in CPU memory, its bytes), least recently used first
-        self._pool: OrderedDict[Hashable, tuple[HostCopy, int]] = OrderedDict()
+        # key -> (the model in host memory: its HostCopy, or the host's handle; its bytes), least recently
+        # used first
+        self._pool: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
         self.host: CacheHost | None = None
         self.host_budget = default_host_budget() if host_budget is None else host_budget
 
@@ -89,15 +96,11 @@ class ModelCache:
         ``weights`` and ``work`` estimate the bytes the stage's model and its run take on ``device``: with a
         host, room for both is made before a load, and the host readies the model with room for ``work``."""
         host = self.host if device is not None else None
-        copy: HostCopy | None = None
         entry = self._models.pop(key, None)
         if entry is not None:
             logger.info("reusing kept model %s", key)
-        elif host is None and key in self._pool:
-            copy, size = self._pool.pop(key)
-            if device is not None:
-                copy.to(device)
-            entry = copy.model
+        elif key in self._pool:
+            entry, size = self._pool.pop(key)
             logger.info("reusing model %s from host memory (%s)", key, format_bytes(size))
         else:
             if host is not None:
@@ -106,15 +109,23 @@ class ModelCache:
             entry = host.hold(key, model, device) if host is not None else model
             del model
             model_let_go()  # what loading left behind (seconds of work: the collection costs nothing here)
-        yield host.ready(entry, work) if host is not None else entry
+        if host is not None:
+            model = host.ready(entry, work)
+        elif isinstance(entry, HostCopy):
+            entry.to(device)
+            model = entry.model
+        else:
+            model = entry
+        yield model
         if keep:
-            self._models[key] = entry
-        elif host is not None or device is None or not self._park(key, entry, copy):
+            self._models[key] = entry if host is not None else model
+        elif device is None or not self._park(key, model, entry, host):
             model_let_go()
 
-    def _park(self, key: Hashable, model: torch.nn.Module, copy: HostCopy | None) -> bool:
-        """Put ``model`` back into CPU memory (its host copy, made the first time) and into the pool, within
-        the budget (least recently used out); False when it does not go there."""
+    def _park(self, key: Hashable, model: torch.nn.Module, entry: object, host: CacheHost | None) -> bool:
+        """Take ``model`` off its device into host memory — the host offloads it (its handle ``entry``), or
+        without one its :class:`HostCopy` (made the first time) puts its home copies back — and into the
+        pool, within the budget (least recently used out); False when it does not go there."""
         if self.host_budget <= 0:
             return False
         size = model_bytes(model)
@@ -126,13 +137,15 @@ class ModelCache:
                 format_bytes(self.host_budget),
             )
             return False
-        if copy is None:
-            copy = HostCopy(model)
+        if host is not None:
+            host.offload(entry)
+        elif isinstance(entry, HostCopy):
+            entry.back()
         else:
-            copy.back()
-        self._pool[key] = (copy, size)
+            entry = HostCopy(model)
+        self._pool[key] = (entry, size)
         while self.pool_bytes() > self.host_budget:
-            evicted, (_copy, evicted_size) = self._pool.popitem(last=False)
+            evicted, (_entry, evicted_size) = self._pool.popitem(last=False)
             model_let_go()
             logger.info("host memory budget: dropped model %s (%s)", evicted, format_bytes(evicted_size))
         return True

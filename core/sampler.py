@@ -368,7 +368,9 @@ def prepare(
     ready to run on ``device`` (see ``_load``); ``low_vram``: its blocks streamed."""
     if not quantized:
         model = scheme.after_load(model)
-    model.eval()
+    # No gradients: the same parameter types on every run, whether the weights were moved whole or copied
+    # back from host memory (the compiled fast path would compile again for another requires_grad).
+    model.eval().requires_grad_(False)
     blocks = model.transformer_blocks
     scheme.plain_modules(model)
     if low_vram:

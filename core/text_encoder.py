@@ -183,11 +183,14 @@ def _load(settings: EncoderSettings):
             build=quantize,
             save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
         )
+    encoder = model.encoder
     if settings.low_vram:
-        encoder = model.encoder
         streaming.stream_blocks(
             model, encoder.block, settings.device, keep_on_cpu=[model.shared, encoder.embed_tokens]
         )
+    else:
+        # Moved back from host memory for a later run, its layers' copies run under the encode.
+        streaming.copy_ahead(model, encoder.block)
     return model
 
 

@@ -63,6 +63,9 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
     ):
         self.key = key  # the pack cache's key, for the log
+        # Its page-locked home copies in CPU memory, made the first time ComfyUI offloads it there: from then
+        # on a load copies them to the device and an offload drops the device copies (nothing copied back).
+        self.home: streaming.HostCopy | None = None
         size = max(streaming.bytes_on(model, device), 1)
         holder = _Holder(model)
         # Loaded on ``device`` already (straight from the files): load_models_gpu registers it as it is.
@@ -80,7 +83,10 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs
     ):
         # Whole, whatever the budget: these weights cannot be split between devices.
-        streaming.move_model(self.inner, device_to)
+        if self.home is not None:
+            self.home.to(device_to)
+        else:
+            streaming.move_model(self.inner, device_to)
         model = self.model
         model.device, model.model_lowvram, model.lowvram_patch_counter = device_to, False, 0
         model.model_loaded_weight_memory, model.model_offload_buffer_memory = self.size, 0
@@ -92,7 +98,13 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
     def unpatch_model(self, device_to=None, unpatch_weights=True) -> None:
         super().unpatch_model(None, unpatch_weights)  # ComfyUI's bookkeeping, no per-weight moves
         if unpatch_weights and device_to is not None:
-            streaming.move_model(self.inner, device_to)
+            device_to = torch.device(device_to)
+            if device_to.type != "cpu":  # --highvram / --gpu-only: the offload device is the GPU itself
+                streaming.move_model(self.inner, device_to)
+            elif self.home is None:
+                self.home = streaming.HostCopy(self.inner)
+            else:
+                self.home.back()
             self.model.device = device_to
             logger.info("ComfyUI moved pack model %s to %s", self.key, device_to)
 
@@ -120,6 +132,12 @@ class ComfyModels:
             [patcher], memory_required=work, minimum_memory_required=work, force_full_load=True
         )
         return patcher.inner
+
+    def offload(self, patcher: PackModelPatcher) -> None:
+        # ComfyUI unloads it as it unloads its own models to make room (LoadedModel.model_unload, to the
+        # stage's offload device), and only it: every other loaded model stays.
+        others = [loaded for loaded in mm.current_loaded_models if loaded.model is not patcher]
+        mm.free_memory(1e30, patcher.load_device, keep_loaded=others)
 
 
 def install(cache: ModelCache) -> ComfyModels:

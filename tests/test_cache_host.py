@@ -34,6 +34,9 @@ class RecordingHost:
         self.calls.append(("ready", work))
         return handle[0]
 
+    def offload(self, handle):
+        self.calls.append(("offload",))
+
 
 @pytest.fixture
 def hosted():
@@ -49,9 +52,29 @@ def test_host_makes_room_before_a_load_holds_the_model_and_readies_it_for_each_r
     hosted.host.calls.clear()
     with hosted.use("k", torch.nn.Identity, keep=False, device=GPU, weights=100, work=10) as again:
         assert again is model
-    # Reused: no room for its weights and no new handle; the host readies it (room for its run only).
-    assert hosted.host.calls == [("ready", 10)]
-    assert len(hosted) == 0
+    # Reused: no room for its weights and no new handle; the host readies it (room for its run only), and,
+    # not kept, offloads it into host memory, where its handle waits in the pool.
+    assert hosted.host.calls == [("ready", 10), ("offload",)]
+    assert len(hosted) == 0 and hosted.pooled() == ["k"]
+    hosted.host.calls.clear()
+    with hosted.use("k", lambda: pytest.fail("loaded again"), keep=False, device=GPU, work=10) as third:
+        assert third is model
+    assert hosted.host.calls == [("ready", 10), ("offload",)]
+
+
+def test_with_a_host_the_pool_keeps_its_budget_and_clear_empties_it(hosted):
+    hosted.host_budget = 3 * 4  # bytes: three one-float models
+    for key in ("a", "b", "c", "d"):
+        with hosted.use(key, lambda: torch.nn.Linear(1, 1, bias=False), keep=False, device=GPU):
+            pass
+    assert hosted.pooled() == ["b", "c", "d"] and hosted.pool_bytes() == 12  # the least recently used out
+    hosted.host_budget = 0
+    with hosted.use("e", torch.nn.Identity, keep=False, device=GPU):
+        pass
+    assert hosted.pooled() == ["b", "c", "d"]  # a budget of 0: not pooled, and not offloaded
+    assert hosted.host.calls.count(("offload",)) == 4
+    hosted.clear()
+    assert hosted.pooled() == [] and hosted.pool_bytes() == 0
 
 
 def test_a_failed_stage_is_not_kept(hosted):

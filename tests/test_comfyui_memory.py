@@ -96,6 +96,11 @@ def wait_for_log(server, start: int, text: str, count: int, deadline_s: float = 
 
 def kept_count(server) -> int:
     """How many kept models Free VRAM drops (it drops them: the count is the state before)."""
+    return int(free_vram_text(server).split()[1])
+
+
+def free_vram_text(server) -> str:
+    """What Free VRAM says it dropped (kept models, and models waiting in host memory)."""
     # On a core node's output: the pack's T5 node here would reuse a kept T5 with keep_loaded off (and drop it).
     prompt = {
         "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
@@ -105,7 +110,7 @@ def kept_count(server) -> int:
     assert run.status == "success", run.error
     text = run.text("free")
     assert text.startswith("dropped ") and " kept model(s)" in text, text
-    return int(text.split()[1])
+    return text
 
 
 def test_pack_vae_decode_from_the_single_file_equals_the_model_folder(server):
@@ -186,6 +191,27 @@ def test_comfyui_free_endpoint_offloads_kept_models_and_the_next_prompt_reuses_t
     assert server.log_text(log_start).count("reusing kept model") == 3
     assert "Traceback" not in server.log_text(log_start)
     assert kept_count(server) == 3
+
+
+def test_a_second_prompt_takes_the_pack_models_back_from_host_memory(server):
+    """keep_loaded off (the default): after each stage ComfyUI unloads the pack's model as one of its own,
+    it waits in the pack's host-memory pool, and the next prompt — another text and seed — takes all three
+    back instead of loading them again; Free VRAM then drops them from host memory."""
+    kept_count(server)  # nothing kept, nothing waiting
+    first = server.run(pack_prompt(seed=31))
+    assert first.status == "success", first.error
+    log_start = server.log.stat().st_size
+    prompt = pack_prompt(seed=32)
+    second = server.run(prompt)
+    assert second.status == "success", second.error
+    log = server.log_text(log_start)
+    assert log.count("from host memory") == 3, log
+    assert "Traceback" not in log
+    assert saved_images(server, second, node_id(prompt, "SaveImage"))[0].shape == (64, 64, 3)
+    assert "and 3 from host memory" in free_vram_text(server)
+    third = server.run(pack_prompt(seed=33))
+    assert third.status == "success", third.error
+    assert "and 3 from host memory" in free_vram_text(server)  # loaded afresh, waiting again
 
 
 def test_free_vram_releases_every_kept_model(server):
@@ -277,6 +303,31 @@ def test_unload_all_models_offloads_kept_models_and_the_next_use_reloads_them(co
     (entry,) = pack_entries(comfy_mm)
     assert entry.model.inner is first and entry.model.loaded_size() > 0
     del second
+
+
+def test_a_model_not_kept_is_unloaded_by_comfyui_and_waits_in_host_memory(comfy_mm, host_pool, caplog):
+    """Not kept: after its stage ComfyUI unloads it as one of its own (out of current_loaded_models, to its
+    offload device), the pack's pool holds it, and the next stage takes it back through load_models_gpu
+    without building it again; a kept model beside it stays loaded; clearing the cache (Free VRAM) drops it."""
+    from pixart_lowvram.core.cache import cache
+
+    built = []
+
+    def build():
+        built.append(1)
+        return torch.nn.Linear(256, 256)
+
+    kept = use("kept")
+    first = use("waiting", keep=False, build=build)
+    assert [entry.model.inner for entry in pack_entries(comfy_mm)] == [kept]
+    assert cache.pooled() == [("transformer", "waiting")]
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+        again = use("waiting", keep=False, build=build)
+    assert again is first and built == [1]
+    assert "from host memory" in caplog.text
+    assert [entry.model.inner for entry in pack_entries(comfy_mm)] == [kept]
+    cache.clear()
+    assert cache.pooled() == []
 
 
 def test_comfyuis_own_calls_run_with_pack_models_loaded(comfy_mm):

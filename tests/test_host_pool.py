@@ -137,25 +137,6 @@ def test_a_model_larger_than_the_budget_is_not_kept(caplog):
     assert pool.pooled() == [] and "larger than the host memory budget" in caplog.text
 
 
-def test_with_a_host_the_pool_is_not_used():
-    """In ComfyUI the host (ComfyUI's model management) decides where models wait; the pool stays empty."""
-
-    class Host:
-        def make_room(self, needs, device):
-            pass
-
-        def hold(self, key, model, device):
-            return model
-
-        def ready(self, handle, work):
-            return handle
-
-    pool = ModelCache(host_budget=1 << 30)
-    pool.host = Host()
-    use(pool, "a")
-    assert pool.pooled() == []
-
-
 def test_clear_empties_the_pool():
     pool = ModelCache(host_budget=1 << 30)
     use(pool, "a"), use(pool, "b")
@@ -208,3 +189,23 @@ def test_the_command_line_frees_every_model_after_its_stage(tiny_folder, tmp_pat
     assert cli.main([*argv, "--device", "cpu", "--no-snapshot", "--no-quant-cache"]) == 0
     assert cache.pooled() == [] and load_spy.total() == 3
     assert load_spy.alive("text_encoder") == [False] and load_spy.alive("transformer") == [False]
+
+
+def test_a_copy_for_a_run_leaves_the_home_copy_as_it_is():
+    """bitsandbytes' Params4bit.to moves the weight's quant_state in place (on the GPU, T5-XXL's 70 MiB of
+    absmax would stay there after the run); the run's copy gets its own, and a parameter stays one."""
+    import bitsandbytes as bnb
+
+    from pixart_lowvram.core.streaming import to_device
+
+    layer = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.bfloat16, quant_type="nf4").to("cpu")  # quantizes
+    home = layer.weight
+    state = home.quant_state
+    assert state.nested  # double quantization: the nested state must not move either
+    meta = torch.device("meta")  # a device the copy can go to without a GPU
+    moved = to_device(home, meta)
+    assert moved.device == meta and moved.quant_state.absmax.device == meta
+    assert home.quant_state is state and state.absmax.device.type == "cpu"
+    assert state.state2.absmax.device.type == "cpu" and moved.quant_state.state2.absmax.device == meta
+    bias = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    assert isinstance(to_device(bias, meta), torch.nn.Parameter)

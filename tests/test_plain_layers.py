@@ -30,17 +30,22 @@ def _quantized(scheme: str, dtype: torch.dtype) -> torch.nn.Sequential:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("scheme", ["qint8", "qfloat8"])
 def test_plain_and_dense_layers_compute_quantos_numbers(scheme, dtype):
-    """quanto's formula (the weight expanded, a product, the bias after): its own numbers wherever it
-    uses that formula itself (here fp32 and fp16 on the CPU; on CUDA for every dtype)."""
+    """quanto's expansion (scale × data) and one product with the bias fused: a layer without bias gives
+    quanto's own numbers wherever quanto uses that expansion itself (here fp32 and fp16 on the CPU; on
+    CUDA for every dtype), one with bias the same to the rounding of the sum; dense and per-call expansion
+    agree bit for bit."""
     model = _quantized(scheme, dtype)
     x = torch.randn(2, 3, 64, dtype=dtype)
-    by_quanto = model(x)
+    by_quanto, first_by_quanto = model(x), model[0](x)
     assert plain_linears(model) == 2
-    assert torch.equal(model(x), by_quanto)
+    plain = model(x)
+    assert torch.equal(model[2](model[1](first_by_quanto)), by_quanto)  # the bias-less layer
+    tolerance = {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(model[0](x), first_by_quanto, rtol=tolerance, atol=tolerance)
     with dense_weights(model) as layers:
         assert layers == 2
         assert [m.weight_dense.dtype for m in model if isinstance(m, ScaledWeightLinear)] == [dtype] * 2
-        assert torch.equal(model(x), by_quanto)
+        assert torch.equal(model(x), plain)
     assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))
 
 

@@ -69,11 +69,12 @@ class QuantoBackend(QuantBackend):
 class ScaledWeightLinear(torch.nn.Module):
     """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight_data``
     (int8 or float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing
-    what quanto's own CUDA path computes, in the same order: the weight expanded (``scale × data``), a
-    matrix product, the bias added after it. So its outputs equal quanto's on CUDA bit for bit, without
-    quanto's tensor-subclass dispatch (about 0.1 ms of Python a layer and call: a third of the sampler's
-    time at 1024²). Under ``torch.compile`` the expansion fuses into one kernel per weight; plain tensors
-    also move and pin like any other (low-VRAM streaming, host copies).
+    what quanto's own CUDA path computes: the weight expanded as quanto expands it (``scale × data``), then
+    one matrix product, here with the bias fused into it (quanto adds it after: the same up to the
+    rounding of that sum; a layer without bias gives quanto's numbers bit for bit). Without quanto's
+    tensor-subclass dispatch (about 0.1 ms of Python a layer and call: a third of the sampler's time at
+    1024²). Under ``torch.compile`` the expansion fuses into one kernel per weight; plain tensors also move
+    and pin like any other (low-VRAM streaming, host copies).
 
     ``weight_dense``, set by :func:`dense_weights` for a run, holds the expanded weight so the layer skips
     the expansion; None otherwise (a non-persistent buffer: never saved, and a graph input when compiled)."""
@@ -95,9 +96,7 @@ class ScaledWeightLinear(torch.nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight_dense if self.weight_dense is not None else self.expanded()
-        rows = input.reshape(-1, self.in_features).to(weight.dtype)
-        output = torch.matmul(rows, weight.t()).reshape(*input.shape[:-1], self.out_features)
-        return output if self.bias is None else output + self.bias
+        return torch.nn.functional.linear(input.to(weight.dtype), weight, self.bias)
 
 
 def dense_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
@@ -116,7 +115,7 @@ def dense_bytes(module: torch.nn.Module) -> int:
 def dense_weights(module: torch.nn.Module) -> Iterator[int]:
     """For the body, every quantized layer under ``module`` holds its weight expanded to the compute dtype
     on its device (:func:`dense_bytes` more memory), so a run costs what an unquantized model's costs; the
-    same numbers, since each layer expands the same way per call. Afterwards the expanded weights are
+    same numbers bit for bit, since each layer expands the same way per call. Afterwards the expanded weights are
     dropped: the quantized ones stay what is kept, pooled and copied. Yields how many layers."""
     layers = dense_layers(module)
     try:
