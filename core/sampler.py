@@ -55,8 +55,8 @@ class SamplerSettings:
     to :func:`sample` sets the size instead. ``denoise`` below 1 needs that latent (image-to-image).
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/; ``model`` still gives the scheduler and the VAE's scaling factor.
-    The quantized layers compute what quanto's own CUDA kernels compute (the weight expanded, then an fp16
-    matrix product) as plain torch layers; on a GPU, and without ``low_vram``, they hold their weights
+    The quantized layers compute what quanto's generic matrix product computes (the weight expanded, then
+    an fp16 matrix product) as plain torch layers; on a GPU, and without ``low_vram``, they hold their weights
     expanded for the run (``dense``: about 1.2 GiB more at 1024², still below T5's peak, when the device has
     the room), so a run costs what the unquantized model's does while the int8 weights are what is kept,
     pooled and copied. ``low_vram`` holds the stage to :data:`estimates.LOW_VRAM_BUDGET`: the quantized

@@ -394,7 +394,7 @@ def test_vae_node_takes_the_old_model_folder_choice(comfy, chain, monkeypatch):
 def test_out_of_memory_in_a_node_says_how_to_free_vram_in_comfyui(comfy, chain, monkeypatch, node_id, module):
     """Core's advice says to free the memory other models hold; the node adds how, in ComfyUI."""
 
-    def out_of_memory(_settings):
+    def out_of_memory(*_settings):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(module, "_load", out_of_memory)

@@ -69,12 +69,13 @@ class QuantoBackend(QuantBackend):
 class ScaledWeightLinear(torch.nn.Module):
     """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight_data``
     (int8 or float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing
-    what quanto's own CUDA path computes: the weight expanded as quanto expands it (``scale × data``), then
-    one matrix product, here with the bias fused into it (quanto adds it after: the same up to the
-    rounding of that sum; a layer without bias gives quanto's numbers bit for bit). Without quanto's
-    tensor-subclass dispatch (about 0.1 ms of Python a layer and call: a third of the sampler's time at
-    1024²). Under ``torch.compile`` the expansion fuses into one kernel per weight; plain tensors also move
-    and pin like any other (low-VRAM streaming, host copies).
+    what quanto's generic matrix product (``qbytes_mm``) computes: the weight expanded as quanto expands it
+    (``scale × data``), then one matrix product, here with the bias fused into it (quanto adds it after:
+    the same up to the rounding of that sum; a layer without bias gives that product's numbers bit for
+    bit). On CUDA quanto may pick packed kernels of its own for some weights: the same arithmetic to
+    rounding. Without quanto's tensor-subclass dispatch (about 0.1 ms of Python a layer and call: a third of
+    the sampler's time at 1024²). Under ``torch.compile`` the expansion fuses into one kernel per weight;
+    plain tensors also move and pin like any other (low-VRAM streaming, host copies).
 
     ``weight_dense``, set by :func:`dense_weights` for a run, holds the expanded weight so the layer skips
     the expansion; None otherwise (a non-persistent buffer: never saved, and a graph input when compiled)."""
