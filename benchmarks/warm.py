@@ -202,9 +202,13 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
             latents = sampler.sample(sampling, embeds, report=report)
             decoding = vae.DecoderSettings(source, device="cuda", tiling="on" if low_vram else "auto")
             image = vae.decode(decoding, latents, report=report)
+        # Each stage resets the peak statistics when it starts: the prompt's peaks are its stages' highest.
+        peaks = [(stage.peak_allocated, stage.peak_reserved) for stage in report.stages]
         records.append(
             p.record
             | {
+                "peak_allocated": max(allocated for allocated, _ in peaks),
+                "peak_reserved": max(reserved for _, reserved in peaks),
                 "pool_bytes": cache.pool_bytes(),
                 "allocated_after": torch.cuda.memory_allocated(),
                 "stages": {s.stage: round(s.seconds, 3) for s in report.stages},

@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
     quiet_optional_kernel_notice()
+    memory.prefer_expandable_segments()  # before CUDA's first allocation
     try:
         if args.command == "queue":
             queue_workflow(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import pickle
 import sys
 import time
@@ -67,6 +68,22 @@ def free_memory(collect: bool = True) -> None:
         if clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()
+
+
+ALLOCATOR_SETTINGS = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> bool:
+    """Ask PyTorch's CUDA allocator for expandable segments unless its settings were chosen already (Linux
+    only: elsewhere PyTorch does not offer them). Call before CUDA's first allocation (the command line
+    does, at its start). With them the stages' memory goes back to the driver and comes back without the
+    allocator's fragmentation: measured on an H200 at 1024², GPU peak reserved 3.08 GiB instead of 4.37 and
+    a later prompt in 1.06 s instead of 1.20 (docs/BENCHMARKS.md). Returns whether it set them."""
+    if not sys.platform.startswith("linux") or os.environ.get(ALLOCATOR_SETTINGS):
+        return False
+    os.environ[ALLOCATOR_SETTINGS] = EXPANDABLE_SEGMENTS
+    return True
 
 
 def device_room(device: torch.device | str) -> int:

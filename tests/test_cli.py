@@ -96,3 +96,23 @@ def test_only_the_queue_command_needs_the_http_libraries(tmp_path):
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_command_line_asks_for_expandable_segments_unless_told_otherwise(monkeypatch):
+    """Expandable segments (a lower reserved peak and faster later prompts, docs/BENCHMARKS.md) unless the
+    allocator's settings were chosen; on Linux, where PyTorch offers them."""
+    import sys
+
+    from pixart_lowvram.core import memory
+
+    monkeypatch.delenv(memory.ALLOCATOR_SETTINGS, raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert memory.prefer_expandable_segments()
+    assert memory.os.environ[memory.ALLOCATOR_SETTINGS] == "expandable_segments:True"
+    monkeypatch.setenv(memory.ALLOCATOR_SETTINGS, "backend:cudaMallocAsync")
+    assert not memory.prefer_expandable_segments()
+    assert memory.os.environ[memory.ALLOCATOR_SETTINGS] == "backend:cudaMallocAsync"
+    monkeypatch.delenv(memory.ALLOCATOR_SETTINGS)
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert not memory.prefer_expandable_segments()
+    assert memory.ALLOCATOR_SETTINGS not in memory.os.environ
