@@ -406,7 +406,7 @@ def _dense(settings: SamplerSettings, transformer, work: int) -> Iterator[None]:
 
 
 COMPILE_BACKEND = "inductor"
-FAST_FIX = "Turn the sampler's fast option off (the same image, quanto's own kernels)."
+FAST_FIX = "Turn the sampler's fast option off (the same image, its layers run uncompiled)."
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:

@@ -10,8 +10,11 @@ when ComfyUI needs the room (a core model's load, ``POST /free`` with ``unload_m
 ``unload_all_models``, an out-of-memory), and Dynamic VRAM's per-node calls see a plain, non-dynamic
 patcher. A kept model is held by the pack's cache (ComfyUI holds patchers weakly); the next stage that
 uses it hands it to ``load_models_gpu`` again, which moves it back when it was offloaded. A model that is
-not kept is dropped after its stage: when its last reference goes, ComfyUI's own finalizer takes its
-entry out of ``current_loaded_models``.
+not kept is unloaded by ComfyUI after its stage (:meth:`ComfyModels.offload`) and its patcher waits in the
+pack's host-memory pool for the next stage with the same settings; one the pool drops loses its last
+reference, and ComfyUI's own finalizer has nothing left to clean. Offloaded to CPU memory, a patcher keeps
+its model's page-locked home copies (``streaming.HostCopy``): a load copies them to the GPU, an unload
+drops the device copies.
 
 The patcher is a subclass because these are not ComfyUI's model classes: bitsandbytes 4-bit and
 optimum-quanto weights must move whole (``Module.to`` keeps their quantization state; ComfyUI's
