@@ -72,7 +72,8 @@ class CacheHost(Protocol):
 
 class ModelCache:
     def __init__(self, host_budget: int | None = None) -> None:
-        self._models: dict[Hashable, object] = {}  # key -> kept model, or the host's handle of it
+        # key -> kept model (or its HostCopy, when it came from the pool), or the host's handle of it
+        self._models: dict[Hashable, object] = {}
         # key -> (the model in host memory: its HostCopy, or the host's handle; its bytes), least recently
         # used first
         self._pool: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
@@ -118,7 +119,7 @@ class ModelCache:
             model = entry
         yield model
         if keep:
-            self._models[key] = entry if host is not None else model
+            self._models[key] = entry
         elif device is None or not self._park(key, model, entry, host):
             model_let_go()
 

@@ -27,7 +27,7 @@ T5_LAYERS, TRANSFORMER_BLOCKS, BLOCKS_IN_FLIGHT = 24, 28, 2
 T5_STREAMED_EXTRA = int(0.2 * GIB)  # quantization state, final norm, activations
 
 # What low-VRAM mode holds a stage to: a model whose whole weights and run fit is kept whole on the device
-# for its run (the int8 transformer at 1024²: 0.87 GiB), a larger one streams its blocks (T5-XXL in nf4).
+# for its run (the int8 transformer at 1024²: 0.85 GiB measured), a larger one streams its blocks (T5-XXL in nf4).
 LOW_VRAM_BUDGET = 1 * GIB
 
 

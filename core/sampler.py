@@ -63,7 +63,8 @@ class SamplerSettings:
     transformer stays whole on the GPU for its run when it fits (the int8 model at 1024²), else it stays in
     CPU memory and its blocks stream to the GPU one at a time (:meth:`streamed`).
     ``fast`` runs the blocks compiled (``torch.compile``); the first image of a process, and of each new
-    size, waits for the compile. ``keep_loaded`` keeps the transformer for the next prompt instead of unloading it. With
+    size, waits for the compile. ``keep_loaded`` keeps the transformer for the next prompt instead of
+    unloading it. With
     ``quant_cache`` (a folder) the quantized transformer is saved there on first use and read back later
     (:mod:`quant_cache`), as T5 is."""
 
@@ -310,8 +311,8 @@ def _from_file(weights: TransformerFile, dtype: torch.dtype):
 def _load(settings: SamplerSettings, streamed: bool):
     """The transformer, quantized, its quantized layers plain ones (``plain_modules``), on the settings'
     device; ``streamed``: quantized in CPU memory and its blocks streamed to the device one at a time
-    (:mod:`streaming`). ``fast``: the blocks are compiled. With ``settings.quant_cache`` a scheme whose backend saves its work is quantized once and
-    read back from there afterwards (:mod:`quant_cache`)."""
+    (:mod:`streaming`). ``fast``: the blocks are compiled. With ``settings.quant_cache`` a scheme whose
+    backend saves its work is quantized once and read back from there afterwards (:mod:`quant_cache`)."""
     weights, scheme = settings.weights, settings.scheme
     if isinstance(weights, TransformerFile):
         origin = weights.path

@@ -365,7 +365,7 @@ class HostCopy:
             self.stream.wait_stream(torch.cuda.current_stream(device))
         moved: dict[int, torch.Tensor] = {}  # tied weights (T5's shared and embed_tokens) copied once
 
-        def copy(indices: list[int]) -> None:
+        def place(indices: list[int]) -> None:
             for i in indices:
                 (m, kind, name), home = self.slots[i], self.homes[i]
                 if id(home) not in moved:
@@ -373,14 +373,14 @@ class HostCopy:
                     _count(home, device)
                 getattr(m, kind)[name] = moved[id(home)]
 
-        copy(self.outside)  # first, on the current stream: the run's first layers read them
+        place(self.outside)  # first, on the current stream: the run's first layers read them
         for index, indices in enumerate(self.per_block):
             if ahead:
                 with torch.cuda.stream(self.stream):
-                    copy(indices)
+                    place(indices)
                 self.ready[index] = self.stream.record_event()
             else:
-                copy(indices)
+                place(indices)
 
     def back(self) -> None:
         """The model in CPU memory again, its device copies dropped."""
