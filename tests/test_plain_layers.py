@@ -69,7 +69,9 @@ def test_the_sampler_runs_plain_layers(tiny, reference, load_spy, host_pool):
 
 
 def test_which_runs_hold_dense_weights(tiny):
-    """On a GPU without low_vram, quantized: dense (device bytes include the expanded copy); otherwise not."""
+    """Dense runs need a GPU (settings for one cannot be made without CUDA: the GPU tier runs them); on the
+    CPU a run expands per layer and asks for no more room, and the dense estimate adds the fp16 copy, still
+    under T5's peak."""
     on_cpu = sampler.SamplerSettings(tiny, device="cpu")
     assert not on_cpu.dense
     qint8 = TRANSFORMER_SCHEMES["qint8"]
