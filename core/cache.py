@@ -155,6 +155,15 @@ class ModelCache:
         """Bytes of CPU memory the models waiting in the pool hold."""
         return sum(size for _copy, size in self._pool.values())
 
+    def pool_summary(self) -> str:
+        """One line on what waits in host memory, against the budget and the setting that changes it."""
+        if self.host_budget <= 0:
+            return f"host memory: no models kept between runs ({HOST_BUDGET_ENV}=0)"
+        return (
+            f"host memory: {len(self._pool)} model(s) waiting for the next run, {format_bytes(self.pool_bytes())} "
+            f"of {format_bytes(self.host_budget)} ({HOST_BUDGET_ENV} sets it; Free VRAM empties it)"
+        )
+
     def pooled(self) -> list[Hashable]:
         """The keys of the models waiting in host memory, least recently used first."""
         return list(self._pool)

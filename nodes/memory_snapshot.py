@@ -7,6 +7,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..core import timeline
+from ..core.cache import cache
 from . import common
 
 
@@ -47,5 +48,6 @@ class MemorySnapshot(io.ComfyNode):
             common.report(), Path(folder_paths.get_output_directory()), filename_prefix
         )
         image = torch.from_numpy(record.picture).float().div(255).unsqueeze(0)  # IMAGE [1, H, W, 3]
-        shown = {**ui.PreviewImage(image, cls=cls).as_dict(), **ui.PreviewText(record.summary).as_dict()}
+        summary = f"{record.summary}\n{cache.pool_summary()}"
+        shown = {**ui.PreviewImage(image, cls=cls).as_dict(), **ui.PreviewText(summary).as_dict()}
         return io.NodeOutput(value, image, ui=shown)

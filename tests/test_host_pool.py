@@ -209,3 +209,14 @@ def test_a_copy_for_a_run_leaves_the_home_copy_as_it_is():
     assert state.state2.absmax.device.type == "cpu" and moved.quant_state.state2.absmax.device == meta
     bias = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
     assert isinstance(to_device(bias, meta), torch.nn.Parameter)
+
+
+def test_the_pool_says_what_it_holds_against_its_budget():
+    pool = ModelCache(host_budget=1 << 30)
+    assert pool.pool_summary().startswith(
+        "host memory: 0 model(s) waiting for the next run, 0.0 MiB of 1.00 GiB"
+    )
+    use(pool, "a")
+    summary = pool.pool_summary()
+    assert "1 model(s) waiting" in summary and HOST_BUDGET_ENV in summary and "Free VRAM" in summary
+    assert "no models kept between runs" in ModelCache(host_budget=0).pool_summary()
