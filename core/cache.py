@@ -156,12 +156,13 @@ class ModelCache:
         return sum(size for _copy, size in self._pool.values())
 
     def pool_summary(self) -> str:
-        """One line on what waits in host memory, against the budget and the setting that changes it."""
+        """One line on what waits in host memory, against the budget and the setting that changes it (a front
+        end adds how its users empty it)."""
         if self.host_budget <= 0:
             return f"host memory: no models kept between runs ({HOST_BUDGET_ENV}=0)"
         return (
             f"host memory: {len(self._pool)} model(s) waiting for the next run, {format_bytes(self.pool_bytes())} "
-            f"of {format_bytes(self.host_budget)} ({HOST_BUDGET_ENV} sets it; Free VRAM empties it)"
+            f"of {format_bytes(self.host_budget)} ({HOST_BUDGET_ENV} sets the budget)"
         )
 
     def pooled(self) -> list[Hashable]:

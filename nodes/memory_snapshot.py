@@ -48,6 +48,6 @@ class MemorySnapshot(io.ComfyNode):
             common.report(), Path(folder_paths.get_output_directory()), filename_prefix
         )
         image = torch.from_numpy(record.picture).float().div(255).unsqueeze(0)  # IMAGE [1, H, W, 3]
-        summary = f"{record.summary}\n{cache.pool_summary()}"
+        summary = f"{record.summary}\n{cache.pool_summary()}; Free VRAM empties it"
         shown = {**ui.PreviewImage(image, cls=cls).as_dict(), **ui.PreviewText(summary).as_dict()}
         return io.NodeOutput(value, image, ui=shown)

@@ -95,6 +95,7 @@ def test_basic_workflow_renders_an_image_and_a_memory_record(server):
     text = run.text(snapshot)
     assert "no CUDA" in text
     assert "host memory: " in text and " model(s) waiting for the next run" in text, text
+    assert "Free VRAM empties it" in text
     (md,) = new_files(server.output, before, "pixart_memory_*.md")
     (record,) = new_files(server.output, before, "pixart_memory_*.json")
     assert md.name in text and record.name in text
