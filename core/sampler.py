@@ -384,14 +384,16 @@ def prepare(
 
 
 @contextlib.contextmanager
-def _dense(settings: SamplerSettings, transformer, work: int) -> Iterator[None]:
+def _dense(settings: SamplerSettings, transformer, images: int, pixels: int) -> Iterator[None]:
     """The run with the quantized weights held expanded (:attr:`SamplerSettings.dense`) when the device has
-    room for them beside the run's ``work``; otherwise each layer expands its weight as it runs (the same
+    room for them beside the run itself; otherwise each layer expands its weight as it runs (the same
     numbers, more kernel launches)."""
     if not settings.dense:
         yield
         return
-    needed = settings.scheme.dense_bytes(transformer) + work
+    # The run's own work: the stage's estimate (device_bytes) counts the expanded copy in already.
+    _weights, run = estimates.transformer(settings.scheme, settings.dtype, images, pixels)
+    needed = settings.scheme.dense_bytes(transformer) + run
     room = memory.device_room(settings.device)
     if needed > room:
         logger.info(
@@ -510,7 +512,7 @@ def _sample(settings: SamplerSettings, embeds, latents, schedule, generator, on_
             weights,
             work,
         ) as transformer,
-        _dense(settings, transformer, work),
+        _dense(settings, transformer, *size),
     ):
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule

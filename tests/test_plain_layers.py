@@ -96,3 +96,21 @@ def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference
     collected.clear()
     sampler.sample(settings, reference.embeds)
     assert bool(collected) == (pool == "off"), "pooled: nothing to collect; dropped: collected"
+
+
+@pytest.mark.parametrize(("room", "dense"), [(10**12, True), ("run", True), ("short", False)])
+def test_a_run_holds_dense_weights_when_they_and_the_run_fit(tiny, monkeypatch, room, dense):
+    """The room asked for is the expanded weights plus the run's own work, once (the stage's estimate, which
+    ComfyUI is asked for, counts the copy in already); short of it, the layers expand per call."""
+    monkeypatch.setattr(sampler.SamplerSettings, "dense", property(lambda self: True))
+    settings = sampler.SamplerSettings(tiny, device="cpu")
+    model = _quantized("qint8", torch.float32)
+    plain_linears(model)
+    run = estimates.transformer(settings.scheme, settings.dtype, 1, MEGAPIXEL)[1]
+    exact = dense_bytes(model) + run
+    free = {"run": exact, "short": exact - 1}.get(room, room)
+    monkeypatch.setattr(memory, "device_room", lambda device: free)
+    with sampler._dense(settings, model, 1, MEGAPIXEL):
+        held = [m.weight_dense is not None for m in model if isinstance(m, ScaledWeightLinear)]
+    assert held == [dense, dense]
+    assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))

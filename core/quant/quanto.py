@@ -116,8 +116,8 @@ def dense_bytes(module: torch.nn.Module) -> int:
 def dense_weights(module: torch.nn.Module) -> Iterator[int]:
     """For the body, every quantized layer under ``module`` holds its weight expanded to the compute dtype
     on its device (:func:`dense_bytes` more memory), so a run costs what an unquantized model's costs; the
-    same numbers bit for bit, since each layer expands the same way per call. Afterwards the expanded weights are
-    dropped: the quantized ones stay what is kept, pooled and copied. Yields how many layers."""
+    same numbers bit for bit, since each layer expands the same way per call. Afterwards the expanded
+    weights are dropped: the quantized ones stay what is kept, pooled and copied. Yields how many layers."""
     layers = dense_layers(module)
     try:
         for layer in layers:
