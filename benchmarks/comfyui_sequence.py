@@ -17,7 +17,8 @@ The steps, in order (each one bounded by a timeout; a failed step does not stop 
      "ComfyUI moved pack model" lines; /free is posted again every 10 s until they show: a /free that
      reaches the worker while it finishes a prompt is seen only at its next wake-up). On a GPU too small
      to hold all three at once ComfyUI offloads some during the prompts already, and fewer show here;
-  5. a third prompt (keep_loaded on) succeeds;
+  5. a third prompt (keep_loaded on) succeeds (loading the models again: with free_memory ComfyUI dropped
+     its node cache, and with the pack's node objects the pack let go of its models);
   6. Cancel: a prompt of ``--cancel-steps`` steps, POST /interrupt once the sampler's first ``progress``
      message arrives; it must end interrupted, and
   7. the next prompt succeed;

@@ -169,12 +169,13 @@ class ModelCache:
         """The keys of the models waiting in host memory, least recently used first."""
         return list(self._pool)
 
-    def clear(self) -> int:
-        """Drop every kept model and every model waiting in host memory; return how many were kept."""
+    def clear(self, collect: bool = True) -> int:
+        """Drop every kept model and every model waiting in host memory; return how many were kept.
+        ``collect=False`` leaves garbage collection to the caller (a weakref finalizer must not run one)."""
         count = len(self._models)
         self._models.clear()
         self._pool.clear()
-        free_memory()
+        free_memory(collect=collect)
         return count
 
     def __len__(self) -> int:

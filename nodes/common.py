@@ -66,10 +66,10 @@ def keep_loaded_input() -> io.Boolean.Input:
     return io.Boolean.Input(
         "keep_loaded",
         default=False,
-        tooltip="Keep the model for the next prompt instead of dropping it when done. It is one of ComfyUI's "
-        "models while kept: ComfyUI moves it to CPU memory when it needs the GPU's room (another model's load, "
-        "Unload Models, POST /free) and the next prompt moves it back instead of loading it again; Free VRAM "
-        "drops it.",
+        tooltip="Keep the model on the GPU for the next prompt instead of moving it to host memory when done. "
+        "It is one of ComfyUI's models while kept: ComfyUI moves it to CPU memory when it needs the GPU's room "
+        "(another model's load, Unload Models) and the next prompt moves it back instead of loading it again; "
+        "Free VRAM, Free model and node cache, or a prompt without the pack's nodes drops it.",
     )
 
 

@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
+import weakref
 from collections.abc import Callable, Hashable
 
 import comfy.model_management as mm
 import comfy.model_patcher
 import torch
+from comfy.cli_args import args as comfy_args
 
 from ..core import streaming
-from ..core.cache import ModelCache
+from ..core.cache import ModelCache, cache
+from ..core.memory import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +148,79 @@ class ComfyModels:
 
 
 def install(cache: ModelCache) -> ComfyModels:
-    """Make ComfyUI's model management the cache's host (once, when the nodes load)."""
+    """Make ComfyUI's model management the cache's host (once, when the nodes load). With ``--cache-none``
+    ComfyUI keeps no node between prompts, and the pack keeps no model in host memory either."""
     if not isinstance(cache.host, ComfyModels):
         cache.host = ComfyModels()
+    if getattr(comfy_args, "cache_none", False):
+        cache.host_budget = 0
     return cache.host
+
+
+# The pack's model nodes: while ComfyUI holds one of their node objects, it holds the pack's models.
+MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
+
+
+class NodeLease:
+    """ComfyUI's hold on the pack's models (kept, or waiting in host memory): its node objects.
+
+    ComfyUI makes one object per node of a prompt and keeps it in its object cache, beside the node's
+    outputs, until a prompt no longer has that node or ``POST /free`` with ``free_memory`` (the front end's
+    Free model and node cache) drops its caches. The pack's models outlive each node's outputs (a new text or
+    seed is a new output, and the models serve it), so they follow the node objects instead: when ComfyUI
+    lets go of the last object of the pack's model nodes, the pack lets go of its models — unless the prompt
+    starting then has pack model nodes of its own (another workflow of the pack), whose objects take over.
+    This is how ComfyUI's own loaders' models leave memory with its node cache, and the only signal
+    ``/free`` gives: custom nodes get no call."""
+
+    def __init__(self, cache: ModelCache):
+        self.cache = cache
+        self.alive = 0
+
+    def hold(self, node: object) -> None:
+        self.alive += 1
+        weakref.finalize(node, self._let_go).atexit = False
+
+    def _let_go(self) -> None:
+        self.alive -= 1
+        if self.alive > 0 or running_prompt_has_model_nodes():
+            return
+        kept, pooled, size = len(self.cache), len(self.cache.pooled()), self.cache.pool_bytes()
+        if not kept and not pooled:
+            return
+        # Garbage collection is ComfyUI's to run here: this may be a finalizer inside one.
+        self.cache.clear(collect=False)
+        logger.info(
+            "ComfyUI let go of the pack's nodes: dropped %d kept model(s) and %d from host memory (%s)",
+            kept,
+            pooled,
+            format_bytes(size),
+        )
+
+
+def running_prompt_has_model_nodes() -> bool:
+    """Whether the prompt the server is running has a node of the pack's model nodes (False outside a
+    server, or between prompts)."""
+    server = sys.modules.get("server")  # ComfyUI's; never imported here (a finalizer may ask)
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    queue = getattr(instance, "prompt_queue", None)
+    if queue is None:
+        return False
+    running, _queued = queue.get_current_queue_volatile()
+    return any(
+        isinstance(node, dict) and node.get("class_type") in MODEL_NODES
+        for item in running
+        for node in item[2].values()
+    )
+
+
+LEASE = NodeLease(cache)
+
+
+class HoldsModels:
+    """The model nodes' base beside ``io.ComfyNode``: each node object ComfyUI makes holds the pack's models
+    (:class:`NodeLease`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        LEASE.hold(self)

@@ -5,7 +5,7 @@ from comfy_api.latest import io, ui
 
 from ..core import contract, sampler, schedulers
 from ..core.quant import TRANSFORMER_SCHEMES
-from . import common
+from . import common, memory_manager
 
 # validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
 # input that is not linked.
@@ -50,7 +50,7 @@ def _size_input(name: str) -> io.Int.Input:
     )
 
 
-class QuantoPixArtSampler(io.ComfyNode):
+class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

@@ -8,7 +8,7 @@ from comfy_api.latest import io, ui
 
 from ..core import conditioning, text_encoder
 from ..core.quant import TEXT_ENCODER_SCHEMES
-from . import common
+from . import common, memory_manager
 
 
 def t5_files() -> list[str]:
@@ -26,7 +26,7 @@ def comfy_t5_tokenizer() -> Path:
     return Path(comfy.model_management.__file__).parent / "text_encoders" / "t5_tokenizer"
 
 
-class QuantizedT5Encode(io.ComfyNode):
+class QuantizedT5Encode(memory_manager.HoldsModels, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

@@ -14,6 +14,8 @@ import inspect
 import itertools
 import logging
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -94,23 +96,36 @@ def wait_for_log(server, start: int, text: str, count: int, deadline_s: float = 
     return True
 
 
+LET_GO = re.compile(
+    r"ComfyUI let go of the pack's nodes: dropped (\d+) kept model\(s\) and (\d+) from host memory"
+)
+FREED = re.compile(r"dropped (\d+) kept model\(s\)(?: and (\d+) from host memory)?")
+
+
 def kept_count(server) -> int:
-    """How many kept models Free VRAM drops (it drops them: the count is the state before)."""
-    return int(free_vram_text(server).split()[1])
+    """How many kept models a prompt of core nodes and Free VRAM drops (the count is the state before)."""
+    return dropped(server)[0]
 
 
-def free_vram_text(server) -> str:
-    """What Free VRAM says it dropped (kept models, and models waiting in host memory)."""
-    # On a core node's output: the pack's T5 node here would reuse a kept T5 with keep_loaded off (and drop it).
+def dropped(server) -> tuple[int, int]:
+    """The kept models and those waiting in host memory that a prompt of only core nodes and Free VRAM
+    drops: as it starts, ComfyUI lets go of the pack's node objects and the pack of its models (the log
+    says how many); Free VRAM drops what is left and says how many. The pack's T5 node is not in it: it
+    would reuse a kept T5 with keep_loaded off (and drop it)."""
     prompt = {
         "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "free": {"class_type": "PixArtQ_FreeVRAM", "inputs": {"value": ["empty", 0]}},
     }
+    log_start = server.log.stat().st_size
     run = server.run(prompt)
     assert run.status == "success", run.error
     text = run.text("free")
-    assert text.startswith("dropped ") and " kept model(s)" in text, text
-    return text
+    freed = FREED.match(text)
+    assert freed, text
+    kept, pooled = int(freed[1]), int(freed[2] or 0)
+    for let_go in LET_GO.finditer(server.log_text(log_start)):
+        kept, pooled = kept + int(let_go[1]), pooled + int(let_go[2])
+    return kept, pooled
 
 
 def test_pack_vae_decode_from_the_single_file_equals_the_model_folder(server):
@@ -167,9 +182,9 @@ def test_core_vae_encode_feeds_the_pack_sampler(server):
 
 
 def test_comfyui_free_endpoint_offloads_kept_models_and_the_next_prompt_reuses_them(server):
-    """With keep_loaded on every node, two prompts; POST /free (unload_models, free_memory) has ComfyUI
-    unload the pack's models as its own (to its offload device: host memory), the prompt worker lives on,
-    and a third prompt succeeds, reusing them."""
+    """With keep_loaded on every node, two prompts; POST /free with unload_models (the front end's Unload
+    Models) has ComfyUI unload the pack's models as its own (to its offload device: host memory), the
+    prompt worker lives on, and a third prompt succeeds, reusing them."""
     kept_count(server)  # start with no kept models
     for seed in (21, 22):
         kept = server.run(with_core_decode(pack_prompt(keep=True, seed=seed), f"mixed_{seed}"))
@@ -179,9 +194,7 @@ def test_comfyui_free_endpoint_offloads_kept_models_and_the_next_prompt_reuses_t
     # still finishing the last prompt (not yet waiting) is seen only at its next wake-up, which may be
     # minutes away on an idle server. Each /free notifies the queue again, so asking again is the cure.
     for _attempt in range(6):
-        response = requests.post(
-            server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
-        )
+        response = requests.post(server.url + "/free", json={"unload_models": True}, timeout=HTTP_TIMEOUT)
         assert response.ok
         if wait_for_log(server, log_start, "ComfyUI moved pack model", 3, deadline_s=10):
             break
@@ -208,10 +221,38 @@ def test_a_second_prompt_takes_the_pack_models_back_from_host_memory(server):
     assert log.count("from host memory") == 3, log
     assert "Traceback" not in log
     assert saved_images(server, second, node_id(prompt, "SaveImage"))[0].shape == (64, 64, 3)
-    assert "and 3 from host memory" in free_vram_text(server)
+    assert dropped(server) == (0, 3)
     third = server.run(pack_prompt(seed=33))
     assert third.status == "success", third.error
-    assert "and 3 from host memory" in free_vram_text(server)  # loaded afresh, waiting again
+    assert dropped(server) == (0, 3)  # loaded afresh, waiting again
+
+
+def test_comfyui_free_endpoint_with_free_memory_releases_the_pack_models(server):
+    """POST /free with free_memory (the front end's Free model and node cache) drops ComfyUI's node cache,
+    and with the pack's node objects the pack lets go of its models: the kept VAE and the two waiting in
+    host memory. The next prompt loads all three again."""
+    dropped(server)  # nothing kept, nothing waiting
+    prompt = pack_prompt(seed=41)
+    prompt[node_id(prompt, "PixArtQ_VAEDecode")]["inputs"]["keep_loaded"] = True
+    first = server.run(prompt)
+    assert first.status == "success", first.error
+    log_start = server.log.stat().st_size
+    for _attempt in range(6):  # as in the test above: /free is seen when the worker wakes
+        response = requests.post(
+            server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
+        )
+        assert response.ok
+        if wait_for_log(server, log_start, "ComfyUI let go of the pack's nodes", 1, deadline_s=10):
+            break
+    log = server.log_text(log_start)
+    assert [(int(kept), int(pooled)) for kept, pooled in LET_GO.findall(log)] == [(1, 2)], log
+    again_start = server.log.stat().st_size
+    again = server.run(pack_prompt(seed=42))
+    assert again.status == "success", again.error
+    log = server.log_text(again_start)
+    assert "reusing model" not in log and "reusing kept model" not in log, log
+    assert "Traceback" not in server.log_text(log_start)
+    assert dropped(server) == (0, 3)
 
 
 def test_free_vram_releases_every_kept_model(server):
@@ -328,6 +369,77 @@ def test_a_model_not_kept_is_unloaded_by_comfyui_and_waits_in_host_memory(comfy_
     assert [entry.model.inner for entry in pack_entries(comfy_mm)] == [kept]
     cache.clear()
     assert cache.pooled() == []
+
+
+class FakeQueue:
+    """ComfyUI's PromptQueue as the lease reads it: the prompts running."""
+
+    def __init__(self, *running: dict):
+        self.running = [(index, f"prompt-{index}", prompt, {}, []) for index, prompt in enumerate(running)]
+
+    def get_current_queue_volatile(self):
+        return list(self.running), []
+
+
+@pytest.fixture
+def prompt_server(monkeypatch):
+    """A stand-in for ComfyUI's ``server`` module: its PromptServer's queue, running nothing."""
+    import types
+
+    server = types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=None))
+    server.PromptServer.instance = types.SimpleNamespace(prompt_queue=FakeQueue())
+    monkeypatch.setitem(sys.modules, "server", server)
+    return server.PromptServer.instance
+
+
+def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm, host_pool, prompt_server):
+    """The pack's models, kept or waiting in host memory, are held while ComfyUI holds a node object of the
+    pack's model nodes: dropping one of two objects, or the last while a prompt with pack model nodes starts
+    (their objects take over), keeps them; dropping the last between prompts (/free with free_memory) or
+    as a prompt without them starts lets go of them."""
+    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.nodes import memory_manager
+    from pixart_lowvram.nodes.sampler import QuantoPixArtSampler
+    from pixart_lowvram.nodes.t5_encode import QuantizedT5Encode
+
+    def fill():
+        use("kept")
+        use("waiting", keep=False)
+        assert (len(cache), cache.pooled()) == (1, [("transformer", "waiting")])
+
+    assert memory_manager.LEASE.alive == 0
+    fill()
+    encoder, sampler = QuantizedT5Encode(), QuantoPixArtSampler()
+    assert memory_manager.LEASE.alive == 2
+    del encoder
+    gc.collect()
+    assert (len(cache), len(cache.pooled())) == (1, 1)  # the sampler's object holds them
+    prompt_server.prompt_queue = FakeQueue({"7": {"class_type": "PixArtQ_VAEDecode", "inputs": {}}})
+    del sampler
+    gc.collect()
+    assert (len(cache), len(cache.pooled())) == (1, 1)  # the starting prompt's pack nodes take over
+
+    for running in ((), ({"1": {"class_type": "EmptyLatentImage", "inputs": {}}},)):
+        prompt_server.prompt_queue = FakeQueue(*running)
+        node = QuantizedT5Encode()
+        fill()
+        del node
+        gc.collect()
+        assert (len(cache), cache.pooled()) == (0, []), running
+    assert memory_manager.LEASE.alive == 0
+
+
+def test_with_cache_none_no_model_waits_in_host_memory(comfy_mm, host_pool, monkeypatch):
+    """--cache-none: ComfyUI keeps no node object between prompts, and the pack no model in host memory."""
+    from comfy.cli_args import args
+
+    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.nodes import memory_manager
+
+    monkeypatch.setattr(args, "cache_none", True)
+    memory_manager.install(cache)
+    use("waiting", keep=False)
+    assert cache.host_budget == 0 and cache.pooled() == []
 
 
 def test_comfyuis_own_calls_run_with_pack_models_loaded(comfy_mm):
