@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pixart_lowvram.core import sampler
-from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, plain_linears
+from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, plain_layers
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
 FP32 = {"device": "cpu", "precision": torch.float32}
@@ -65,7 +65,7 @@ def test_quantized_linears_become_plain_ones_holding_quantos_values(scheme):
     x = torch.randn(3, 32)
     expected = model(x)
     data = [model[0].weight._data, model[2].weight._data]
-    assert plain_linears(model) == 2
+    assert plain_layers(model) == 2
     assert [type(m) for m in model] == [ScaledWeightLinear, torch.nn.GELU, ScaledWeightLinear]
     assert [model[0].weight_data, model[2].weight_data] == data  # quanto's own tensors, not copies
     assert all(type(t) is torch.Tensor for t in model.buffers())  # plain: they move and pin as any other
@@ -84,7 +84,7 @@ def test_a_weight_without_per_row_scales_is_refused():
     with pytest.raises(
         TypeError, match=r"0: a .* weight is not a per-row quantized one; the sampler takes qint8"
     ):
-        plain_linears(model)
+        plain_layers(model)
 
 
 def test_fast_and_low_vram_together(tiny, reference, no_compile):

@@ -10,7 +10,7 @@ import torch
 
 from pixart_lowvram.core import estimates, memory, sampler
 from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
-from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_linears
+from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_layers
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
 MEGAPIXEL = 1024 * 1024
@@ -37,7 +37,7 @@ def test_plain_and_dense_layers_compute_quantos_numbers(scheme, dtype):
     model = _quantized(scheme, dtype)
     x = torch.randn(2, 3, 64, dtype=dtype)
     by_quanto, first_by_quanto = model(x), model[0](x)
-    assert plain_linears(model) == 2
+    assert plain_layers(model) == 2
     plain = model(x)
     assert torch.equal(model[2](model[1](first_by_quanto)), by_quanto)  # the bias-less layer
     tolerance = {torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
@@ -51,7 +51,7 @@ def test_plain_and_dense_layers_compute_quantos_numbers(scheme, dtype):
 
 def test_dense_weights_are_dropped_when_the_run_fails():
     model = _quantized("qint8", torch.float32)
-    plain_linears(model)
+    plain_layers(model)
     assert dense_bytes(model) == (32 * 64 + 16 * 32) * 4
     with pytest.raises(RuntimeError, match="cancelled"), dense_weights(model):
         raise RuntimeError("cancelled")
@@ -105,7 +105,7 @@ def test_a_run_holds_dense_weights_when_they_and_the_run_fit(tiny, monkeypatch, 
     monkeypatch.setattr(sampler.SamplerSettings, "dense", property(lambda self: True))
     settings = sampler.SamplerSettings(tiny, device="cpu")
     model = _quantized("qint8", torch.float32)
-    plain_linears(model)
+    plain_layers(model)
     run = estimates.transformer(settings.scheme, settings.dtype, 1, MEGAPIXEL)[1]
     exact = dense_bytes(model) + run
     free = {"run": exact, "short": exact - 1}.get(room, room)

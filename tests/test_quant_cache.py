@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +123,24 @@ def test_transformer_second_load_reads_the_entry_bit_exact(tiny, tmp_path, monke
 
     monkeypatch.setattr(QUANTO, "after_load", no_requantizing)
     assert torch.equal(sample(tiny, tmp_path), first)
+
+
+def test_a_warm_cache_samples_without_importing_quanto(tiny, tmp_path):
+    """Read back from the cache, the transformer is built as the plain layers it runs: a fresh process never
+    imports optimum-quanto (nor the torch._dynamo machinery its import brings) and gives the same latents."""
+    written = sample(tiny, tmp_path)
+    out = tmp_path / "latents.pt"
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_quant_cache import sample
+from pixart_lowvram.core.models import resolve_model
+latents = sample(resolve_model({str(tiny.path)!r}), {str(tmp_path)!r})
+assert "optimum.quanto" not in sys.modules, "quanto was imported"
+torch.save(latents, {str(out)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert torch.equal(torch.load(out), written)
 
 
 @pytest.mark.parametrize("scheme", ["qint8", "qfloat8"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,19 @@ class QuantBackend:
     device_types: frozenset[str]
 
     def require(self, scheme: str, device: torch.device) -> None:
-        """Raise a clear error unless ``scheme`` can run on ``device`` with this machine's packages."""
+        """Raise a clear error unless ``scheme`` can run on ``device`` with this machine's packages. Finds
+        the package without importing it (a stage whose weights come pre-quantized may never need to)."""
         try:
-            importlib.import_module(self.module)
-        except ImportError as exc:
+            found = importlib.util.find_spec(self.module) is not None
+        except ImportError as exc:  # its parent package is missing
+            found, problem = False, f" ({exc})"
+        else:
+            problem = ""
+        if not found:
             raise ImportError(
-                f"quantization {scheme!r} needs the {self.package!r} package, which is not installed "
-                f"({exc}). Install it with `pip install {self.package}`, or choose quantization 'none'."
-            ) from exc
+                f"quantization {scheme!r} needs the {self.package!r} package, which is not installed"
+                f"{problem}. Install it with `pip install {self.package}`, or choose quantization 'none'."
+            )
         if device.type not in self.device_types:
             raise RuntimeError(
                 f"quantization {scheme!r} ({self.package}) cannot run on device {device.type!r}; it runs on "

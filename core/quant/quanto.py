@@ -1,7 +1,13 @@
-"""optimum-quanto: int8 or float8 weights, quantized after loading and frozen."""
+"""optimum-quanto: int8 or float8 weights, quantized after loading and frozen, run as plain torch layers.
+
+quanto quantizes (``after_load``) and its state dict is what the pre-quantized cache holds; the layers that
+run are plain ones holding quanto's values and scales (:func:`plain_layers`), and a model read back from the
+cache is built as those directly, so a process whose cache is warm never imports quanto (nor the
+``torch._dynamo`` machinery quanto's import brings)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +19,10 @@ from .base import QuantBackend
 # The final projection maps back to latent space; the recipe keeps it in full precision.
 EXCLUDE = ("proj_out",)
 WEIGHTS_FILE = "quanto.safetensors"
+# A frozen quanto weight in its state dict: its values and per-output-row scales; and the activation scales
+# quanto's layers keep (1 without quantized activations).
+DATA, SCALE = ".weight._data", ".weight._scale"
+UNIT_SCALES = (".input_scale", ".output_scale")
 
 
 class QuantoBackend(QuantBackend):
@@ -39,25 +49,47 @@ class QuantoBackend(QuantBackend):
         save_file(state, Path(folder) / WEIGHTS_FILE)
 
     def load_quantized(self, empty: torch.nn.Module, scheme: str, folder: Path) -> torch.nn.Module:
-        """quanto's layers put in place on the meta device, then filled from the file (quanto's own
-        ``_load_from_state_dict`` makes each quantized weight from its ``_data`` and ``_scale``).
+        """The model :meth:`save_quantized` wrote, its quantized layers made as the plain layers
+        :func:`plain_layers` makes of quanto's (the same tensors: quanto keeps a frozen weight's ``_data``
+        and ``_scale`` as they are on the CPU), the rest filled from the file into ``empty``'s meta
+        parameters. Not quanto's ``requantize`` (its ``to_empty`` leaves non-persistent buffers such as
+        PatchEmbed's ``pos_embed`` uninitialised), and not quanto at all.
 
-        Not quanto's ``requantize``: it calls ``to_empty``, which leaves non-persistent buffers
-        (PatchEmbed's ``pos_embed``) uninitialised. Every tensor is copied out of the file's mapping into
-        memory of its own: on the CPU, quanto's int8 kernel (``_weight_int8pack_mm``) crashes the process
-        on int8 data read in place from a safetensors file."""
-        from optimum import quanto
+        Every tensor is copied out of the file's mapping into memory of its own (int8 data read in place
+        from a safetensors file crashed quanto's CPU kernel once; copies are what the pool pins and moves)."""
         from safetensors import safe_open
 
-        quanto.quantize(empty, weights=getattr(quanto, scheme), exclude=list(EXCLUDE))
-        with safe_open(Path(folder) / WEIGHTS_FILE, framework="pt") as file:
+        path = Path(folder) / WEIGHTS_FILE
+        with safe_open(path, framework="pt") as file:
             state = {name: file.get_tensor(name).clone() for name in file.keys()}  # noqa: SIM118
-        empty.load_state_dict(state, strict=True, assign=True)
-        quanto.freeze(empty)
+        made = []
+        for name in [key.removesuffix(DATA) for key in state if key.endswith(DATA)]:
+            data, scale, bias = (
+                state.pop(name + DATA),
+                state.pop(name + SCALE),
+                state.pop(name + ".bias", None),
+            )
+            for unit in UNIT_SCALES:  # quanto's activation scales: 1, activations are not quantized
+                value = state.pop(name + unit, None)
+                if value is not None and not bool((value == 1).all()):
+                    raise ValueError(
+                        f"{path}: {name}{unit} is not 1; quantized activations are not run here."
+                    )
+            parent, _, child = name.rpartition(".")
+            owner = empty.get_submodule(parent)
+            setattr(owner, child, plain_layer(getattr(owner, child), data, scale, bias))
+            made.append(name)
+        result = empty.load_state_dict(state, strict=False, assign=True)
+        made_keys = {f"{name}.{key}" for name in made for key in ("weight_data", "weight_scale", "bias")}
+        missing = sorted(set(result.missing_keys) - made_keys)
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"{path} does not fit the model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+            )
         return empty
 
     def plain_modules(self, module: torch.nn.Module) -> int:
-        return plain_linears(module)
+        return plain_layers(module)
 
     def dense_weights(self, module: torch.nn.Module):
         return dense_weights(module)
@@ -100,6 +132,55 @@ class ScaledWeightLinear(torch.nn.Module):
         return torch.nn.functional.linear(input.to(weight.dtype), weight, self.bias)
 
 
+class ScaledWeightConv2d(torch.nn.Module):
+    """A 2-D convolution holding quanto's quantized weight as plain ``weight_data`` and ``weight_scale``
+    (``[out, 1, 1, 1]``) and convolving with the weight expanded as quanto expands it (quanto's QConv2d
+    convolves with its dequantized weight: the same numbers). The transformer has one (the patch embedding),
+    run once per step: it is never held expanded."""
+
+    def __init__(
+        self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, like: torch.nn.Conv2d
+    ):
+        super().__init__()
+        if like.padding_mode != "zeros":
+            raise TypeError(f"a {like.padding_mode!r}-padded convolution is not one the sampler runs")
+        self.stride, self.padding, self.dilation, self.groups = (
+            like.stride,
+            like.padding,
+            like.dilation,
+            like.groups,
+        )
+        self.register_buffer("weight_data", data)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        data = self.weight_data
+        if data.dtype.is_floating_point:
+            data = data.to(self.weight_scale.dtype)
+        weight = self.weight_scale * data
+        return torch.nn.functional.conv2d(
+            input.to(weight.dtype), weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+
+def plain_layer(
+    layer: torch.nn.Module, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.nn.Module:
+    """The plain layer for ``layer`` (a Linear or Conv2d, quanto's or torch's) holding ``data`` and
+    ``scale``, a per-output-row quantized weight (qint8, qfloat8)."""
+    if scale.dim() != data.dim() or scale.shape[0] != data.shape[0] or scale[0].numel() != 1:
+        raise TypeError(
+            f"a weight scaled {tuple(scale.shape)} for values {tuple(data.shape)} is not a per-row quantized "
+            "one; the sampler takes qint8 and qfloat8 weights."
+        )
+    if isinstance(layer, torch.nn.Conv2d):
+        return ScaledWeightConv2d(data, scale, bias, layer)
+    if isinstance(layer, torch.nn.Linear):
+        return ScaledWeightLinear(data, scale, bias)
+    raise TypeError(f"a quantized {type(layer).__name__} is not a layer the sampler runs")
+
+
 def dense_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
     return [layer for layer in module.modules() if isinstance(layer, ScaledWeightLinear)]
 
@@ -128,23 +209,26 @@ def dense_weights(module: torch.nn.Module) -> Iterator[int]:
             layer.weight_dense = None
 
 
-def plain_linears(module: torch.nn.Module) -> int:
-    """Replace every frozen per-row ``QLinear`` under ``module`` (qint8, qfloat8 weights) by a
-    :class:`ScaledWeightLinear` holding the same quantized values and scales; return how many."""
+def plain_layers(module: torch.nn.Module) -> int:
+    """Replace every frozen quanto layer under ``module`` (``QLinear``, ``QConv2d`` with qint8 or qfloat8
+    weights) by the plain layer holding the same quantized values and scales (:func:`plain_layer`); return
+    how many. Without quanto imported there is none to replace (and quanto is not imported to look)."""
+    if "optimum.quanto" not in sys.modules:
+        return 0
     from optimum.quanto import WeightQBytesTensor
-    from optimum.quanto.nn import QLinear
+    from optimum.quanto.nn import QModuleMixin
 
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, QLinear):
+            if not isinstance(child, QModuleMixin):
                 continue
             weight = child.weight
-            if not isinstance(weight, WeightQBytesTensor) or weight._scale.shape != (weight.shape[0], 1):
+            if not isinstance(weight, WeightQBytesTensor):
                 raise TypeError(
                     f"{name}: a {type(weight).__name__} weight is not a per-row quantized one; the sampler "
                     "takes qint8 and qfloat8 weights."
                 )
-            setattr(parent, name, ScaledWeightLinear(weight._data, weight._scale, child.bias))
+            setattr(parent, name, plain_layer(child, weight._data, weight._scale, child.bias))
             replaced += 1
     return replaced
