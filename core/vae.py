@@ -148,9 +148,23 @@ def _load(settings: DecoderSettings):
         with tempfile.TemporaryDirectory() as config:
             (Path(config) / "config.json").write_text(json.dumps(SDXL_VAE_CONFIG))
             model = AutoencoderKL.from_single_file(str(vae_file), config=config, torch_dtype=dtype)
+    decode_in_place(model)
     streaming.move_model(model, settings.device)
     model.eval()
     return model
+
+
+def decode_in_place(model) -> int:
+    """Let the decoder's SiLUs overwrite their input: each follows a GroupNorm whose output nothing else
+    reads (diffusers' ResnetBlock2D without a time embedding, and the decoder's ``conv_act``), so the values
+    are the same and one image-sized activation fewer is alive at the decoder's widest point (256 channels
+    at full resolution: 0.5 GiB at 1024² in bf16). Returns how many."""
+    changed = 0
+    for module in model.decoder.modules():
+        if isinstance(module, torch.nn.SiLU):
+            module.inplace = True
+            changed += 1
+    return changed
 
 
 def untiled_bytes(samples: torch.Tensor, dtype: torch.dtype) -> int:

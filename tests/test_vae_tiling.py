@@ -54,3 +54,18 @@ def test_bad_tiling_settings_are_refused_before_loading(tiny, latents, load_spy,
     with pytest.raises(ValueError, match=name):
         vae.decode(vae.DecoderSettings(tiny, device="cpu", **{name: value}), latents)
     assert load_spy.count("vae") == 0
+
+
+def test_the_decoders_silus_run_in_place_with_the_same_numbers(tiny, latents):
+    """Each SiLU of the decoder overwrites the GroupNorm output it reads (one image-sized activation fewer
+    at the widest point): the image is diffusers' own decode bit for bit."""
+    from diffusers import AutoencoderKL
+
+    settings = vae.DecoderSettings(tiny, device="cpu", tiling="off")
+    model = vae._load(settings)
+    silus = [m for m in model.decoder.modules() if isinstance(m, torch.nn.SiLU)]
+    assert silus and all(m.inplace for m in silus)
+    plain = AutoencoderKL.from_pretrained(tiny.folder(["vae"]), subfolder="vae", dtype=settings.dtype).eval()
+    assert not any(m.inplace for m in plain.decoder.modules() if isinstance(m, torch.nn.SiLU))
+    with torch.inference_mode():
+        assert torch.equal(model.decode(latents).sample, plain.decode(latents).sample)
