@@ -8,19 +8,25 @@ pixart-full --device cuda --steps 2``):
 
 - ``anchor``: the pipeline, latents, then its VAE decode;
 - ``pack defaults``: encode (T5 nf4), sample (qint8), decode, as the library runs them (the host-memory
-  pool on, so later prompts load nothing from disk); ``pack defaults, 3.0 GiB cap``: the same with the
-  allocator capped at 3.0 GiB (``torch.cuda.set_per_process_memory_fraction``);
+  pool on, so later prompts load nothing from disk), with PyTorch's expandable segments as the command line
+  asks for them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); ``pack defaults, PyTorch's default
+  segments``: the same without them (what the caching allocator reserves beyond what is allocated);
+  ``pack defaults, 3.0 GiB cap``: with the allocator capped at 3.0 GiB
+  (``torch.cuda.set_per_process_memory_fraction``);
 - ``pack fast``: the sampler's compiled path;
-- ``pack defaults, expandable segments``: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-  (what the caching allocator reserves beyond what is allocated);
 - ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB; and
-  ``pack low-VRAM + fast``, the same with the compiled sampler;
+  ``pack low-VRAM + fast``, the same with the compiled sampler (every row but one with expandable segments);
 - ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
   memory manager told the card has 8 GB (benchmarks/comfyui_path.py's ``simulate_card``), the loaded models
   kept referenced between prompts as a server's node cache keeps them.
 
-Through a server (with ``--comfyui``; the pack's bundled basic workflow, same prompts and seeds):
-``server: pack defaults`` and ``server: pack keep_loaded``.
+Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds): ``server: pack
+defaults`` (the bundled basic workflow), ``server: pack fast`` (its sampler's fast on), ``server: pack
+low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded`` (the basic workflow, every model
+kept), each without its Memory Snapshot node (an image's time, not the report's). The server runs with ComfyUI's own defaults (its allocator choice included); each stage's seconds and
+GPU peaks come from the pack's log line for it in the server's log, and the prompt's from its stages.
+``$COMFYUI_EXTRA_ARGS`` goes on the server's command line (e.g. ``--disable-api-nodes --front-end-root
+DIR`` where ComfyUI's front-end and API-node packages are not installed).
 
 Per prompt: seconds (wall clock, the stages or the HTTP round trip) and each stage's seconds and peaks,
 GPU peak allocated and reserved (in one process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
@@ -41,6 +47,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,19 +71,31 @@ PROMPTS = [
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
 
+# PyTorch's expandable segments, as the command line asks for them (core.memory.prefer_expandable_segments).
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 CONFIGS: dict[str, dict] = {
     "anchor: diffusers fp16, all on the GPU": {"kind": "anchor"},
-    "pack defaults": {"kind": "pack"},
-    "pack defaults, 3.0 GiB cap": {"kind": "pack", "cap_gib": 3.0},
-    "pack defaults, expandable segments": {
+    "pack defaults": {"kind": "pack", "env": EXPANDABLE},
+    "pack defaults, PyTorch's default segments": {"kind": "pack"},
+    "pack defaults, 3.0 GiB cap": {"kind": "pack", "cap_gib": 3.0, "env": EXPANDABLE},
+    "pack fast": {"kind": "pack", "fast": True, "env": EXPANDABLE},
+    "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0, "env": EXPANDABLE},
+    "pack low-VRAM + fast, 1.0 GiB cap": {
         "kind": "pack",
-        "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        "low_vram": True,
+        "fast": True,
+        "cap_gib": 1.0,
+        "env": EXPANDABLE,
     },
-    "pack fast": {"kind": "pack", "fast": True},
-    "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0},
-    "pack low-VRAM + fast, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "fast": True, "cap_gib": 1.0},
-    "ComfyUI core, card told 8 GB": {"kind": "core", "card_gb": 8.0},
+    # ComfyUI's allocator choice on NVIDIA (its cuda_malloc.py), set before torch loads as main.py sets it.
+    "ComfyUI core, card told 8 GB": {
+        "kind": "core",
+        "card_gb": 8.0,
+        "env": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    },
     "server: pack defaults": {"kind": "server"},
+    "server: pack fast": {"kind": "server", "sets": ["2.fast=true"]},
+    "server: pack low-VRAM": {"kind": "server", "workflow": "pixart_lowvram_low_vram_api.json"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},
 }
 ANCHOR = next(iter(CONFIGS))
@@ -228,8 +247,6 @@ def run_core(
 
     comfyui_path.write_models_tree(model_dir, tree)
     sys.path.insert(0, str(comfyui))
-    import cuda_malloc  # noqa: F401  (main.py's allocator choice, before anything else uses CUDA)
-
     comfyui_path.simulate_card(config["card_gb"])
     import folder_paths
 
@@ -276,24 +293,74 @@ def run_server(
 
     from pixart_lowvram.core import client as api
 
-    path = comfy_server.REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
-    workflow = api.load_workflow(path)
+    name = config.get("workflow", "pixart_lowvram_basic_api.json")
+    workflow = api.load_workflow(comfy_server.REPO / "example_workflows" / "api" / name)
     sets = [f"{key}.model=pixart-full" for key, node in workflow.items() if "model" in node["inputs"]]
     sets += [
         f"{key}.keep_loaded={bool(config.get('keep'))}"
         for key, node in workflow.items()
         if "keep_loaded" in node["inputs"]
     ]
+    sets += config.get("sets", [])
+    workflow = without_snapshot(workflow)
     records, images = [], []
     with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
         for index, (text, seed) in enumerate([*PROMPTS, REPEAT]):
             prompt = api.apply_overrides(workflow, sets, prompt=text, seed=seed)
+            log_start = server.log.stat().st_size
             start = time.perf_counter()
             (outcome,) = api.queue(prompt, server.url, out=base / f"images-{index}", timeout=600)
-            records.append({"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)})
+            record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
+            with server.log.open("rb") as log:
+                log.seek(log_start)
+                record |= server_stages(log.read().decode("utf-8", "replace"))
+            records.append(record)
             with Image.open(outcome.files[0]) as image:
                 images.append(torch.from_numpy(np.asarray(image).copy()))
     return records, images
+
+
+def without_snapshot(workflow: dict) -> dict:
+    """The workflow without its Memory Snapshot nodes (their inputs linked to where their outputs went): an
+    image's time, not the allocator history's and the report's."""
+    snapshots = {
+        key: node for key, node in workflow.items() if node["class_type"] == "PixArtQ_MemorySnapshot"
+    }
+    kept = {key: node for key, node in workflow.items() if key not in snapshots}
+    for node in kept.values():
+        for name, value in node["inputs"].items():
+            while isinstance(value, list) and value[0] in snapshots:
+                value = snapshots[value[0]]["inputs"]["value"]
+            node["inputs"][name] = value
+    return kept
+
+
+# The pack's log line for each stage (core.memory.stage): name | device | peak allocated | reserved | seconds
+STAGE_LINE = re.compile(r"stage (\w+) \| [^|]+ \| ([\d.]+) (GiB|MiB) \| ([\d.]+) (GiB|MiB) \| ([\d.]+)")
+UNITS = {"GiB": 2**30, "MiB": 2**20}
+# ComfyUI's own line at a prompt's end: the executor's time, without the HTTP round trip and the download.
+EXECUTED = re.compile(r"Prompt executed in ([\d.]+) seconds")
+
+
+def server_stages(log: str) -> dict:
+    """One prompt's stages from the server log: seconds and GPU peaks each, the prompt's peaks, and how many
+    models came back from host memory or were reused kept."""
+    stages = [
+        (m[1], float(m[2]) * UNITS[m[3]], float(m[4]) * UNITS[m[5]], float(m[6]))
+        for m in STAGE_LINE.finditer(log)
+    ]
+    if not stages:
+        return {}
+    executed = EXECUTED.search(log)
+    return {
+        "executed_seconds": float(executed[1]) if executed else None,
+        "peak_allocated": int(max(allocated for _, allocated, _, _ in stages)),
+        "peak_reserved": int(max(reserved for _, _, reserved, _ in stages)),
+        "stages": {name: seconds for name, _, _, seconds in stages},
+        "stage_peaks": {name: (int(allocated), int(reserved)) for name, allocated, reserved, _ in stages},
+        "from_host_memory": log.count("from host memory ("),
+        "reused_kept": log.count("reusing kept model"),
+    }
 
 
 def one(name: str, args: argparse.Namespace) -> None:
@@ -329,6 +396,15 @@ def summary(records: list[dict], anchor: float | None) -> dict:
         "later_seconds": mean_later,
         "later_ratio": None if not anchor else mean_later / anchor,
     }
+    # The pack's stages alone (their sum), and through a server ComfyUI's executor time.
+    for key, values in (
+        ("stages", [sum(r["stages"].values()) for r in later if r.get("stages")]),
+        ("executed", [r["executed_seconds"] for r in later if r.get("executed_seconds")]),
+    ):
+        if len(values) == len(later):
+            mean = sum(values) / len(values)
+            out[f"later_{key}_seconds"] = mean
+            out[f"later_{key}_ratio"] = None if not anchor else mean / anchor
     for key in ("peak_allocated", "peak_reserved", "copied_to_gpu", "pool_bytes", "rss"):
         values = [r[key] for r in later if r.get(key) is not None]
         if values:
@@ -340,26 +416,37 @@ def fmt_gib(value) -> str:
     return "–" if value is None else f"{value / GIB:.2f}"
 
 
+def seconds_and_ratio(summary: dict, key: str) -> str:
+    seconds, ratio = summary.get(f"later_{key}_seconds"), summary.get(f"later_{key}_ratio")
+    if seconds is None:
+        return "–"
+    return f"{seconds:.2f}" + ("" if ratio is None else f" ({ratio:.2f})")
+
+
 def markdown(meta: dict, results: dict) -> str:
     lines = [
         "# Per prompt, from the first on",
         "",
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}; 1024², 20 steps, cfg 4.5, batch 1, "
         "full-size architecture with random weights; five prompts with their own text and seed, then the "
-        "first again. Ratios: the mean of prompts 2–5 over the anchor's.",
+        "first again. Ratios: the mean of prompts 2–5 over the anchor's. Later s: the prompt's wall clock (through "
+        "a server: submit to image downloaded); stages s: the pack's three stages alone; ComfyUI executed s: "
+        "ComfyUI's own time for the prompt (its log), SaveImage's PNG included.",
         "",
-        "| configuration | 1st prompt s | later s | × anchor | GPU peak alloc / reserved GiB (later) | "
-        "host→GPU GiB per later prompt | pool GiB | host RSS GiB | 6th = 1st |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | 1st prompt s | later s | × anchor | stages s (×) | ComfyUI executed s (×) | "
+        "GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | pool GiB | host RSS GiB | "
+        "6th = 1st |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | |")
+            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | |")
             continue
         s = result["summary"]
         ratio = "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}"
         lines.append(
             f"| {name} | {s['first_seconds']:.2f} | {s['later_seconds']:.2f} | {ratio} | "
+            f"{seconds_and_ratio(s, 'stages')} | {seconds_and_ratio(s, 'executed')} | "
             f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
             f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
             f"{fmt_gib(s.get('later_max_rss'))} | {'yes' if result['repeat_identical'] else '**no**'} |"
