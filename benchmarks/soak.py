@@ -16,7 +16,8 @@ After each prompt it records
     (fetched through /view) adds ``start_allocated`` of each prompt's first stage:
     ``torch.cuda.memory_allocated`` itself, read before the prompt's first stage, i.e. after the previous
     prompt. Both series are checked.
-After the last prompt a Free VRAM prompt reports how many kept models were left, and memory is read again.
+After the last prompt a Free VRAM prompt (on the last prompt's decode, its nodes cached) reports how many kept
+models were left, and memory is read again.
 
 Criteria (exit code 1 when one fails, 2 when the soak could not run):
   * every prompt succeeded, one image each;
@@ -45,6 +46,7 @@ directory (its output folder, memory reports and server.log) is ``--out``/server
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -62,10 +64,7 @@ from pixart_lowvram.core import client as api
 WORKFLOW = comfy_server.REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
 T5, SAMPLER, SNAPSHOT = "PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_MemorySnapshot"
 MIB = 2**20
-KEPT_MODELS_PROMPT = {
-    "empty": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-    "free": {"class_type": "PixArtQ_FreeVRAM", "inputs": {"value": ["empty", 0]}},
-}
+DECODE, FREE_VRAM = "PixArtQ_VAEDecode", "PixArtQ_FreeVRAM"
 
 logger = logging.getLogger("soak")
 
@@ -143,10 +142,19 @@ def snapshot_stages(client: api.Client, entry: dict, workflow: dict) -> list[dic
     return response.json()["stages"]
 
 
-def kept_models(client: api.Client, ws, timeout: float) -> int:
-    """How many kept models Free VRAM dropped (on a core node's output, so no pack model is reused)."""
+def kept_models_prompt(last: dict) -> dict:
+    """Free VRAM on the last prompt's decode: its model nodes, with the same inputs, come from ComfyUI's cache
+    (nothing loads or runs again), and with them in the prompt ComfyUI keeps holding the pack's models (a
+    prompt of core nodes alone would let them go as it starts, and Free VRAM would find none)."""
+    models = {key: node for key, node in last.items() if node["class_type"] in (T5, SAMPLER, DECODE)}
+    decode = next(key for key, node in models.items() if node["class_type"] == DECODE)
+    return copy.deepcopy(models) | {"free": {"class_type": FREE_VRAM, "inputs": {"value": [decode, 0]}}}
+
+
+def kept_models(client: api.Client, ws, timeout: float, last: dict) -> int:
+    """How many kept models Free VRAM dropped after the ``last`` prompt (:func:`kept_models_prompt`)."""
     prompt_id = str(uuid.uuid4())
-    client.submit(KEPT_MODELS_PROMPT, prompt_id)
+    client.submit(kept_models_prompt(last), prompt_id)
     entry = client.wait(ws, prompt_id, timeout, "free VRAM")
     if (entry.get("status") or {}).get("status_str") != "success":
         raise api.ClientError(api.failure_text(prompt_id, entry))
@@ -189,6 +197,7 @@ def soak(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
     result["server"]["device"] = before.get("name")
     ws = client.connect()
     started = time.monotonic()
+    last = prompts[0]  # the last prompt submitted: Free VRAM's prompt reuses its cached model nodes
     try:
         for index, prompt in enumerate(prompts, 1):
             remaining = deadline - time.monotonic()
@@ -200,6 +209,7 @@ def soak(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
             prompt_id, record = str(uuid.uuid4()), {"index": index}
             clock = time.monotonic()
             try:
+                last = prompt
                 client.submit(prompt, prompt_id)
                 entry = client.wait(
                     ws, prompt_id, min(args.prompt_timeout, remaining), f"prompt {index}/{len(prompts)}"
@@ -230,7 +240,7 @@ def soak(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
             )
         result["seconds"] = round(time.monotonic() - started, 1)
         try:
-            result["kept_models"] = kept_models(client, ws, args.prompt_timeout)
+            result["kept_models"] = kept_models(client, ws, args.prompt_timeout, last)
         except api.ClientError as exc:
             result["kept_models"] = None
             result["errors"].append(f"Free VRAM: {exc}")
