@@ -31,8 +31,9 @@ DIR`` where ComfyUI's front-end and API-node packages are not installed).
 Per prompt: seconds (wall clock, the stages or the HTTP round trip) and each stage's seconds and peaks,
 GPU peak allocated and reserved (in one process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
 the pack copied from CPU memory to the GPU (``core.streaming.copied_to_device``: models moved back from host
-memory and streamed blocks; reads from disk are not counted), and what the pack's host-memory pool holds. A
-sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit (digests of
+memory and streamed blocks; reads from disk are not counted), and what the pack's host-memory pool holds.
+For the anchor also the seconds its image takes to write as ComfyUI's SaveImage writes it (PNG, compress
+level 4; not in its seconds), the server rows' share of that. A sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit (digests of
 each prompt's embeddings and latents say which stage differs when it does). ``--profile DIR`` writes torch
 profiler tables of the third prompt of each configuration.
 
@@ -189,9 +190,25 @@ def run_anchor(model_dir: Path) -> tuple[list[dict], list[torch.Tensor]]:
             )[0]
             image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
             image = image.float().cpu()
-        records.append(p.record)
+        records.append(p.record | {"png_seconds": png_seconds((image / 2 + 0.5).clamp(0, 1))})
         images.append(image)
     return records, images
+
+
+def png_seconds(image: torch.Tensor) -> float:
+    """Seconds to write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG,
+    compress level 4): what a server prompt pays on top of the generation, for the anchor's side of the
+    comparison (not in the anchor's seconds)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    start = time.perf_counter()
+    for picture in image:
+        pixels = (picture.permute(1, 2, 0).numpy() * 255.0).clip(0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
+    return time.perf_counter() - start
 
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
@@ -396,10 +413,11 @@ def summary(records: list[dict], anchor: float | None) -> dict:
         "later_seconds": mean_later,
         "later_ratio": None if not anchor else mean_later / anchor,
     }
-    # The pack's stages alone (their sum), and through a server ComfyUI's executor time.
+    # The pack's stages alone (their sum), through a server ComfyUI's executor time, and the anchor's PNG.
     for key, values in (
         ("stages", [sum(r["stages"].values()) for r in later if r.get("stages")]),
         ("executed", [r["executed_seconds"] for r in later if r.get("executed_seconds")]),
+        ("png", [r["png_seconds"] for r in later if r.get("png_seconds")]),
     ):
         if len(values) == len(later):
             mean = sum(values) / len(values)
@@ -451,6 +469,12 @@ def markdown(meta: dict, results: dict) -> str:
             f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
             f"{fmt_gib(s.get('later_max_rss'))} | {'yes' if result['repeat_identical'] else '**no**'} |"
         )
+    png = results.get(ANCHOR, {}).get("summary", {}).get("later_png_seconds")
+    if png is not None:
+        lines += [
+            "",
+            f"The anchor's image written as SaveImage writes it (PNG, compress level 4): {png:.3f} s more.",
+        ]
     lines += ["", "Per prompt (seconds):", ""]
     for name, result in results.items():
         if "records" in result:
