@@ -98,6 +98,13 @@ class QuantoBackend(QuantBackend):
         return dense_bytes(module)
 
 
+def expand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A quantized weight in the compute dtype, as quanto's ``qbytes_mm`` makes it (float8 promoted first)."""
+    if data.dtype.is_floating_point:
+        data = data.to(scale.dtype)
+    return scale * data
+
+
 class ScaledWeightLinear(torch.nn.Module):
     """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight_data``
     (int8 or float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing
@@ -121,11 +128,7 @@ class ScaledWeightLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def expanded(self) -> torch.Tensor:
-        """The weight in the compute dtype, as quanto's ``qbytes_mm`` makes it (float8 promoted first)."""
-        data = self.weight_data
-        if data.dtype.is_floating_point:
-            data = data.to(self.weight_scale.dtype)
-        return self.weight_scale * data
+        return expand(self.weight_data, self.weight_scale)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight_dense if self.weight_dense is not None else self.expanded()
@@ -155,10 +158,7 @@ class ScaledWeightConv2d(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        data = self.weight_data
-        if data.dtype.is_floating_point:
-            data = data.to(self.weight_scale.dtype)
-        weight = self.weight_scale * data
+        weight = expand(self.weight_data, self.weight_scale)
         return torch.nn.functional.conv2d(
             input.to(weight.dtype), weight, self.bias, self.stride, self.padding, self.dilation, self.groups
         )
