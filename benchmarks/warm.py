@@ -307,6 +307,7 @@ def run_server(
     import comfy_server
     import numpy as np
     from PIL import Image
+    from soak import without_snapshot
 
     from pixart_lowvram.core import client as api
 
@@ -319,6 +320,7 @@ def run_server(
         if "keep_loaded" in node["inputs"]
     ]
     sets += config.get("sets", [])
+    # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
     workflow = without_snapshot(workflow)
     records, images = [], []
     with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
@@ -335,21 +337,6 @@ def run_server(
             with Image.open(outcome.files[0]) as image:
                 images.append(torch.from_numpy(np.asarray(image).copy()))
     return records, images
-
-
-def without_snapshot(workflow: dict) -> dict:
-    """The workflow without its Memory Snapshot nodes (their inputs linked to where their outputs went): an
-    image's time, not the allocator history's and the report's."""
-    snapshots = {
-        key: node for key, node in workflow.items() if node["class_type"] == "PixArtQ_MemorySnapshot"
-    }
-    kept = {key: node for key, node in workflow.items() if key not in snapshots}
-    for node in kept.values():
-        for name, value in node["inputs"].items():
-            while isinstance(value, list) and value[0] in snapshots:
-                value = snapshots[value[0]]["inputs"]["value"]
-            node["inputs"][name] = value
-    return kept
 
 
 # The pack's log line for each stage (core.memory.stage): name | device | peak allocated | reserved | seconds
