@@ -401,6 +401,12 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
     from pixart_lowvram.nodes import memory_manager
     from pixart_lowvram.nodes.sampler import QuantoPixArtSampler
     from pixart_lowvram.nodes.t5_encode import QuantizedT5Encode
+    from pixart_lowvram.nodes.vae_decode import PixArtVAEDecode
+
+    # The lease's node types are those of the nodes that hold it (their ids are written in both places).
+    holders = (QuantizedT5Encode, QuantoPixArtSampler, PixArtVAEDecode)
+    assert all(issubclass(cls, memory_manager.HoldsModels) for cls in holders)
+    assert {cls.define_schema().node_id for cls in holders} == set(memory_manager.MODEL_NODES)
 
     def fill():
         use("kept")
