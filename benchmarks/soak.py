@@ -210,15 +210,16 @@ def soak(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
             clock = time.monotonic()
             try:
                 last = prompt
-                client.submit(prompt, prompt_id)
-                entry = client.wait(
-                    ws, prompt_id, min(args.prompt_timeout, remaining), f"prompt {index}/{len(prompts)}"
+                outcome = client.run(
+                    ws,
+                    prompt,
+                    images_dir,
+                    min(args.prompt_timeout, remaining),
+                    f"prompt {index}/{len(prompts)}",
+                    prompt_id=prompt_id,
                 )
-                status = entry.get("status") or {}
-                if status.get("status_str") != "success" or not status.get("completed"):
-                    raise api.ClientError(api.failure_text(prompt_id, entry))
-                record["images"] = len(client.download(entry, images_dir))
-                stages = snapshot_stages(client, entry, prompt)
+                record["images"] = len(outcome.files)
+                stages = snapshot_stages(client, outcome.entry, prompt)
                 if stages is not None:
                     record["stages"] = stages
                     record["start_allocated"] = stages[0]["start_allocated"] if stages else None

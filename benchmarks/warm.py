@@ -45,6 +45,7 @@ Writes warm.json and warm.md to --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -322,21 +323,55 @@ def run_server(
     sets += config.get("sets", [])
     # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
     workflow = without_snapshot(workflow)
+    save = next(key for key, node in workflow.items() if node["class_type"] == "SaveImage")
     records, images = [], []
     with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
+        client = api.Client(server.url)
+        # The client's check against /object_info, once: a front end does not repeat it per prompt.
+        client.check(api.apply_overrides(workflow, sets))
+        ws = client.connect()
         for index, (text, seed) in enumerate([*PROMPTS, REPEAT]):
             prompt = api.apply_overrides(workflow, sets, prompt=text, seed=seed)
             log_start = server.log.stat().st_size
+            starts: list[tuple[str | None, float]] = []  # (node, when ComfyUI said it started)
+
+            def seen(kind: str, data: dict, starts=starts) -> None:
+                if kind == "executing":
+                    starts.append((data.get("node"), time.perf_counter()))
+
             start = time.perf_counter()
-            (outcome,) = api.queue(prompt, server.url, out=base / f"images-{index}", timeout=600)
+            outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
+            record |= node_seconds(starts, start, prompt, save)
             with server.log.open("rb") as log:
                 log.seek(log_start)
                 record |= server_stages(log.read().decode("utf-8", "replace"))
             records.append(record)
             with Image.open(outcome.files[0]) as image:
                 images.append(torch.from_numpy(np.asarray(image).copy()))
+        if ws is not None:
+            ws.close()
     return records, images
+
+
+def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict, save: str) -> dict:
+    """Where a server prompt's time went, from the websocket's ``executing`` messages (each node's start,
+    then one with no node once the history is written): seconds from submit to the first node, each node
+    class's seconds, and SaveImage's (``save``: its node id) apart."""
+    if not starts or starts[-1][0] is not None:
+        return {}
+    nodes: dict[str, float] = {}
+    saved = None
+    for (node, began), (_next, ended) in itertools.pairwise(starts):
+        name = prompt[node]["class_type"]
+        nodes[name] = nodes.get(name, 0.0) + ended - began
+        if node == save:
+            saved = ended - began
+    return {
+        "until_first_node": starts[0][1] - submitted,
+        "node_seconds": nodes,
+        "save_seconds": saved,
+    }
 
 
 # The pack's log line for each stage (core.memory.stage): name | device | peak allocated | reserved | seconds
@@ -405,6 +440,8 @@ def summary(records: list[dict], anchor: float | None) -> dict:
         ("stages", [sum(r["stages"].values()) for r in later if r.get("stages")]),
         ("executed", [r["executed_seconds"] for r in later if r.get("executed_seconds")]),
         ("png", [r["png_seconds"] for r in later if r.get("png_seconds")]),
+        ("save", [r["save_seconds"] for r in later if r.get("save_seconds")]),
+        ("unsaved", [r["seconds"] - r["save_seconds"] for r in later if r.get("save_seconds")]),
     ):
         if len(values) == len(later):
             mean = sum(values) / len(values)
@@ -436,31 +473,42 @@ def markdown(meta: dict, results: dict) -> str:
         "full-size architecture with random weights; five prompts with their own text and seed, then the "
         "first again. Ratios: the mean of prompts 2–5 over the anchor's. Later s: the prompt's wall clock (through "
         "a server: submit to image downloaded); stages s: the pack's three stages alone; ComfyUI executed s: "
-        "ComfyUI's own time for the prompt (its log), SaveImage's PNG included.",
+        "ComfyUI's own time for the prompt (its log), SaveImage's PNG included; PNG s: the anchor's image "
+        "written as SaveImage writes it (not in its seconds), and through a server SaveImage's own seconds "
+        "(its start to the next node's, from the websocket); later − PNG: a server prompt without them.",
         "",
         "| configuration | 1st prompt s | later s | × anchor | stages s (×) | ComfyUI executed s (×) | "
-        "GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | pool GiB | host RSS GiB | "
-        "6th = 1st |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "PNG s | later − PNG s (×) | GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | "
+        "pool GiB | host RSS GiB | 6th = 1st |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | |")
+            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | | | |")
             continue
         s = result["summary"]
         ratio = "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}"
+        png = s.get("later_png_seconds", s.get("later_save_seconds"))
         lines.append(
             f"| {name} | {s['first_seconds']:.2f} | {s['later_seconds']:.2f} | {ratio} | "
             f"{seconds_and_ratio(s, 'stages')} | {seconds_and_ratio(s, 'executed')} | "
+            f"{'–' if png is None else f'{png:.3f}'} | {seconds_and_ratio(s, 'unsaved')} | "
             f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
             f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
             f"{fmt_gib(s.get('later_max_rss'))} | {'yes' if result['repeat_identical'] else '**no**'} |"
         )
-    png = results.get(ANCHOR, {}).get("summary", {}).get("later_png_seconds")
-    if png is not None:
+    anchor = results.get(ANCHOR, {}).get("summary", {})
+    if anchor.get("later_png_seconds") is not None:
+        both = anchor["later_seconds"] + anchor["later_png_seconds"]
+        servers = [
+            f"{name} {result['summary']['later_seconds'] / both:.2f}×"
+            for name, result in results.items()
+            if "summary" in result and result["summary"].get("later_save_seconds") is not None
+        ]
         lines += [
             "",
-            f"The anchor's image written as SaveImage writes it (PNG, compress level 4): {png:.3f} s more.",
+            f"The anchor with its image written as SaveImage writes it: {both:.2f} s"
+            + (f"; the server rows over that: {', '.join(servers)}." if servers else "."),
         ]
     lines += ["", "Per prompt (seconds):", ""]
     for name, result in results.items():

@@ -2,7 +2,9 @@
 
 Talks to one server only. The workflow is checked against the server's ``/object_info`` before
 anything is queued; each prompt is submitted with a ``prompt_id`` made here, followed on the websocket
-for progress, and judged by ``/history/<prompt_id>``.
+for progress, and judged by ``/history/<prompt_id>``, read once the websocket says the prompt is done:
+ComfyUI writes the history entry between ``execution_success`` (or an error) and its closing
+``executing`` message with no node, so the client waits for that one.
 
 ComfyUI (0.8) takes the ``prompt_id`` of a POST /prompt as given and does not refuse one it has
 already queued or run: a second POST with the same id queues the job again (and overwrites its
@@ -18,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import requests
@@ -38,6 +40,9 @@ RETRY_PAUSE = 2.0  # seconds; lets a request that did reach the server land in i
 POLL = 2.0  # seconds between /history checks while the websocket is quiet
 T5_ENCODE = "PixArtQ_T5Encode"
 ENDED = ("execution_success", "execution_error", "execution_interrupted")
+# Seconds to wait after one of ENDED for the closing ``executing`` message (sent once the history is written;
+# every ComfyUI sends it to the prompt's client) before reading /history anyway.
+CLOSING_GRACE = 1.0
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -210,6 +215,7 @@ def check_workflow(workflow: dict, object_info: dict) -> list[str]:
 class Outcome:
     prompt_id: str
     files: list[Path]
+    entry: dict = field(default_factory=dict)  # the prompt's /history entry
 
 
 class Client:
@@ -318,8 +324,7 @@ class Client:
                 history = self.get(f"/history/{prompt_id}")
                 if prompt_id in history:
                     return history[prompt_id]
-                if done:
-                    # execution_success comes just before the history entry is written.
+                if done:  # no closing message came: the entry is on its way
                     time.sleep(0.1)
 
     @staticmethod
@@ -330,11 +335,22 @@ class Client:
         bar: tqdm,
         on_message: Callable[[str, dict], None] | None = None,
     ) -> bool:
-        """Read messages for up to ``timeout`` seconds; True once the prompt reports it has ended."""
-        ws.settimeout(timeout)
+        """Read messages for up to ``timeout`` seconds; True once the prompt has ended and its history entry
+        is written (the closing ``executing`` message), or :data:`CLOSING_GRACE` after it reported its end
+        without one."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            raw = ws.recv()
+        ended = False
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return ended
+            ws.settimeout(left)
+            try:
+                raw = ws.recv()
+            except websocket.WebSocketTimeoutException:
+                if ended:
+                    return True
+                raise
             if isinstance(raw, bytes):  # a preview image
                 continue
             message = json.loads(raw)
@@ -348,9 +364,30 @@ class Client:
                 bar.n = data.get("value", 0)
                 bar.set_postfix_str(f"node {data.get('node')}", refresh=False)
                 bar.refresh()
-            elif kind in ENDED or (kind == "executing" and data.get("node") is None):
+            elif kind == "executing" and data.get("node") is None:
                 return True
-        return False
+            elif kind in ENDED and not ended:
+                ended, end = True, min(end, time.monotonic() + CLOSING_GRACE)
+
+    def run(
+        self,
+        ws: websocket.WebSocket | None,
+        prompt: dict,
+        out: Path,
+        timeout: float,
+        label: str | None,
+        on_message: Callable[[str, dict], None] | None = None,
+        prompt_id: str | None = None,
+    ) -> Outcome:
+        """Submit one prompt (as ``prompt_id``, or a new id), follow it (:meth:`wait`) and download its images
+        into ``out``; a prompt that did not succeed raises with the server's account of it."""
+        prompt_id = prompt_id or str(uuid.uuid4())
+        self.submit(prompt, prompt_id)
+        entry = self.wait(ws, prompt_id, timeout, label, on_message)
+        status = entry.get("status") or {}
+        if status.get("status_str") != "success" or not status.get("completed"):
+            raise ClientError(failure_text(prompt_id, entry))
+        return Outcome(prompt_id, self.download(entry, Path(out)), entry)
 
     def download(self, entry: dict, out: Path) -> list[Path]:
         """Every output image of a history entry, into ``out`` (keeping ComfyUI's subfolder)."""
@@ -419,17 +456,11 @@ def queue(
     client = Client(server)
     client.check(workflow)
     ws = client.connect()
-    outcomes = []
     try:
-        for index, prompt in enumerate(prompts, 1):
-            prompt_id = str(uuid.uuid4())
-            client.submit(prompt, prompt_id)
-            entry = client.wait(ws, prompt_id, timeout, f"prompt {index}/{len(prompts)}")
-            status = entry.get("status") or {}
-            if status.get("status_str") != "success" or not status.get("completed"):
-                raise ClientError(failure_text(prompt_id, entry))
-            outcomes.append(Outcome(prompt_id, client.download(entry, Path(out))))
+        return [
+            client.run(ws, prompt, out, timeout, f"prompt {index}/{len(prompts)}")
+            for index, prompt in enumerate(prompts, 1)
+        ]
     finally:
         if ws is not None:
             ws.close()
-    return outcomes

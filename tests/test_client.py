@@ -1,5 +1,6 @@
 """The API client's pure parts (no server): --set/--prompt/--seed on a workflow, the check against an
-/object_info answer, seeds per prompt for --count, and the submit that never queues a job twice."""
+/object_info answer, seeds per prompt for --count, the submit that never queues a job twice, and the end of
+a prompt read from the websocket's messages."""
 
 from __future__ import annotations
 
@@ -250,3 +251,58 @@ def test_submit_does_not_post_again_while_it_cannot_tell_whether_the_first_lande
     with pytest.raises(ClientError, match="could not queue the prompt"):
         api.submit({}, "the-id")
     assert server.posts == 1 and server.queued == ["the-id"]
+
+
+class QuietSocket:
+    """A websocket that hands out ``messages`` and then times out, as a quiet server's does."""
+
+    def __init__(self, messages: list[dict]):
+        self.messages = [json.dumps(message) for message in messages]
+
+    def settimeout(self, seconds: float) -> None:
+        assert seconds > 0
+
+    def recv(self) -> str:
+        if not self.messages:
+            raise client.websocket.WebSocketTimeoutException("quiet")
+        return self.messages.pop(0)
+
+
+def follow(monkeypatch, messages: list[dict], written_when_left: int) -> tuple[dict, list[int]]:
+    """``Client.wait`` on a prompt whose history entry exists once at most ``written_when_left`` of its
+    messages are still to come; the entry and how many messages were left at each /history read. Sleeping
+    fails the test: the client must not have to guess when the entry is written."""
+    ws, reads = QuietSocket(messages), []
+    api = client.Client("http://127.0.0.1:1")
+
+    def get(path: str) -> dict:
+        assert path == "/history/p1"
+        reads.append(len(ws.messages))
+        return {"p1": {"status": {"status_str": "success"}}} if len(ws.messages) <= written_when_left else {}
+
+    monkeypatch.setattr(api, "get", get)
+    monkeypatch.setattr(client.time, "sleep", lambda seconds: pytest.fail(f"slept {seconds} s"))
+    return api.wait(ws, "p1", 30.0, None), reads
+
+
+def test_wait_reads_the_history_after_the_closing_message(monkeypatch):
+    """ComfyUI sends execution_success, writes the history entry, then sends ``executing`` with no node: the
+    entry is read once, after that last message (read at execution_success it was not there yet)."""
+    messages = [
+        {"type": "executing", "data": {"node": "1", "prompt_id": "p1"}},
+        {"type": "executing", "data": {"node": "2", "prompt_id": "other"}},
+        {"type": "execution_success", "data": {"prompt_id": "p1"}},
+        {"type": "executing", "data": {"node": None, "prompt_id": "p1"}},
+    ]
+    entry, reads = follow(monkeypatch, messages, written_when_left=0)
+    assert entry["status"]["status_str"] == "success" and reads == [0]
+
+
+def test_wait_reads_the_history_when_no_closing_message_comes(monkeypatch):
+    """A prompt that reports its end but whose closing message never reaches this client (another client's
+    prompt id on an old server): the history is read once the socket falls quiet after the end."""
+    monkeypatch.setattr(client, "CLOSING_GRACE", 0.05)
+    entry, reads = follow(
+        monkeypatch, [{"type": "execution_success", "data": {"prompt_id": "p1"}}], written_when_left=0
+    )
+    assert entry["status"]["status_str"] == "success" and reads == [0]
