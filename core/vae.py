@@ -24,6 +24,9 @@ MIN_TILE_SIZE = 64
 # An untiled SDXL-VAE decode holds about this many activation bytes per output pixel and per byte of
 # its dtype (measured: 2.4 GiB over the weights at 1024² in bf16), plus a margin.
 ACTIVATION_BYTES_PER_PIXEL = 1300
+# A decoder convolution's input larger than this is convolved in horizontal strips of at most this size
+# (StripConv2d).
+STRIP_BYTES = 64 * 2**20
 # A tiled decode at TILE_SIZE peaked at 0.80 GiB in bf16, 0.16 GiB of it the weights (84 M parameters).
 VAE_PARAMETERS = 84_000_000
 TILED_WORK_BYTES_PER_PIXEL = 0.64 * estimates.GIB / TILE_SIZE**2 / 2  # per tile pixel and dtype byte
@@ -149,9 +152,64 @@ def _load(settings: DecoderSettings):
             (Path(config) / "config.json").write_text(json.dumps(SDXL_VAE_CONFIG))
             model = AutoencoderKL.from_single_file(str(vae_file), config=config, torch_dtype=dtype)
     decode_in_place(model)
+    decode_in_strips(model)
     streaming.move_model(model, settings.device)
     model.eval()
     return model
+
+
+class StripConv2d(torch.nn.Conv2d):
+    """A convolution (stride 1, zero padding that keeps the height) run over horizontal strips of its input
+    of at most :data:`STRIP_BYTES` each, every strip with the rows of its neighbours the kernel reaches, into
+    one output: the same numbers (each output row sums the same inputs the same way). For its kernels cuDNN
+    converts a channels-first bf16 input and its output to channels-last, a copy of both: at the decoder's
+    widest point (256 channels at full resolution, 0.5 GiB each at 1024²) a whole convolution needs 1 GiB
+    beyond its input and output, a strip a strip's worth."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        height = input.shape[-2]
+        row_bytes = input[..., :1, :].numel() * input.element_size()
+        rows = max(1, STRIP_BYTES // max(row_bytes, 1))
+        if rows >= height:
+            return super().forward(input)
+        reach = self.padding[0]
+        out = None
+        for top in range(0, height, rows):
+            bottom = min(top + rows, height)
+            first, last = max(top - reach, 0), min(bottom + reach, height)
+            strip = input[..., first:last, :]
+            if first > top - reach or last < bottom + reach:  # the image's edge: zeros, as padding gives
+                strip = torch.nn.functional.pad(strip, (0, 0, first - top + reach, bottom + reach - last))
+            part = torch.nn.functional.conv2d(strip, self.weight, self.bias, 1, (0, self.padding[1]))
+            if out is None:
+                out = part.new_empty((*part.shape[:-2], height, part.shape[-1]))
+            out[..., top:bottom, :] = part
+        return out
+
+
+def strips_fit(conv: torch.nn.Conv2d) -> bool:
+    """Whether ``conv`` can run as a :class:`StripConv2d`: stride and dilation 1, one group (the decoder's
+    kind), zero padding that keeps the height."""
+    return (
+        type(conv) is torch.nn.Conv2d
+        and conv.stride == (1, 1)
+        and conv.dilation == (1, 1)
+        and conv.padding_mode == "zeros"
+        and conv.groups == 1
+        and isinstance(conv.padding, tuple)
+        and 2 * conv.padding[0] == conv.kernel_size[0] - 1
+    )
+
+
+def decode_in_strips(model) -> int:
+    """Make every convolution of the decoder that can a :class:`StripConv2d` (the same parameters, in
+    place); returns how many."""
+    changed = 0
+    for module in model.decoder.modules():
+        if isinstance(module, torch.nn.Conv2d) and strips_fit(module):
+            module.__class__ = StripConv2d
+            changed += 1
+    return changed
 
 
 def decode_in_place(model) -> int:

@@ -252,7 +252,10 @@ def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda,
 def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, quantization):
     """On CUDA the sampler's plain layers, expanding per call or holding the expanded weights for the run,
     give the same latents bit for bit, and close to quanto's own CUDA kernels'; the dense run holds the
-    expanded weights during the run only."""
+    expanded weights during the run only. quanto runs qfloat8 weights on an Ampere or newer GPU through its
+    Marlin fp8 kernel, which scales the fp32 sums where the plain layer (like quanto's generic product)
+    multiplies with the weight expanded to fp16 first: the rounding differs more (cosine 0.9994 on the
+    H200 after two steps of the tiny model), hence its looser bound."""
     from diffusers import PixArtSigmaPipeline
 
     from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
@@ -306,7 +309,7 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
             dense = run("plain").cpu()  # on the CPU: the latents' own block is not the weights'
         assert torch.cuda.memory_allocated(cuda) == before
     assert torch.equal(dense, plain.cpu())
-    assert _cosine(plain, by_quanto) > 0.9999
+    assert _cosine(plain, by_quanto) > (0.999 if quantization == "qfloat8" else 0.9999)
 
 
 @pytest.mark.parametrize("low_vram", [False, True])
@@ -364,3 +367,30 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
     gc.collect()
     assert torch.cuda.memory_allocated(cuda) == before
     run(big=False)
+
+
+def test_the_decoder_in_strips_keeps_the_image_and_saves_memory_at_1024(tiny, cuda, monkeypatch):
+    """The SDXL VAE (the tiny model's is full size) decoding 1024² in bf16: its convolutions in strips give
+    the image of whole convolutions bit for bit, with cuDNN's channels-last copies of the widest
+    activations (1 GiB at 256 channels and full resolution) gone from the peak."""
+    model = vae._load(vae.DecoderSettings(tiny, device=cuda, tiling="off"))
+    latents = torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(5))
+    latents = latents.to(cuda, torch.bfloat16)
+
+    def decode(model, latents) -> tuple[int, torch.Tensor]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            image = model.decode(latents, return_dict=False)[0].cpu()
+        return torch.cuda.max_memory_allocated() - before, image
+
+    strips_peak, strips = decode(model, latents)
+    monkeypatch.setattr(vae, "STRIP_BYTES", 2**62)  # every convolution whole
+    whole_peak, whole = decode(model, latents)
+    del model, latents
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.equal(strips, whole)
+    assert strips_peak < whole_peak - 2**30 // 2, (strips_peak / 2**30, whole_peak / 2**30)

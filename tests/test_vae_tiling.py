@@ -1,5 +1,6 @@
 """Tiled VAE decode: engages at the sizes asked for, stays close to the untiled decode, and is
-chosen automatically only when memory is short."""
+chosen automatically only when memory is short; the untiled decode's memory savings (in-place SiLUs,
+convolutions in strips) keep diffusers' numbers."""
 
 from __future__ import annotations
 
@@ -67,5 +68,42 @@ def test_the_decoders_silus_run_in_place_with_the_same_numbers(tiny, latents):
     assert silus and all(m.inplace for m in silus)
     plain = AutoencoderKL.from_pretrained(tiny.folder(["vae"]), subfolder="vae", dtype=settings.dtype).eval()
     assert not any(m.inplace for m in plain.decoder.modules() if isinstance(m, torch.nn.SiLU))
+    with torch.inference_mode():
+        assert torch.equal(model.decode(latents).sample, plain.decode(latents).sample)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kernel", "padding"), [(3, 1), (1, 0), (5, 2)])
+def test_a_convolution_in_strips_gives_the_whole_ones_numbers(monkeypatch, dtype, kernel, padding):
+    conv = torch.nn.Conv2d(8, 12, kernel, padding=padding).to(dtype)
+    assert vae.strips_fit(conv)
+    x = torch.randn(2, 8, 23, 9, generator=torch.Generator().manual_seed(1)).to(dtype)
+    whole = conv(x)
+    conv.__class__ = vae.StripConv2d
+    row = x[..., :1, :].numel() * x.element_size()
+    for rows in (1, 2, 5, 22, 23):  # strips of 1 row to the whole height
+        monkeypatch.setattr(vae, "STRIP_BYTES", rows * row)
+        assert torch.equal(conv(x), whole), rows
+
+
+def test_only_height_keeping_convolutions_run_in_strips():
+    assert not vae.strips_fit(torch.nn.Conv2d(4, 4, 3, stride=2, padding=1))
+    assert not vae.strips_fit(torch.nn.Conv2d(4, 4, 3, padding=0))
+    assert not vae.strips_fit(torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"))
+    assert not vae.strips_fit(torch.nn.Conv2d(4, 4, 3, padding=1, dilation=2))
+    assert not vae.strips_fit(torch.nn.Conv2d(4, 4, 3, padding=1, groups=2))
+
+
+def test_the_decoder_in_strips_gives_diffusers_numbers(tiny, latents, monkeypatch):
+    """Every convolution of the loaded decoder runs in strips (here of a few rows each, as the widest ones at
+    1024² do): the image is diffusers' own decode bit for bit."""
+    from diffusers import AutoencoderKL
+
+    settings = vae.DecoderSettings(tiny, device="cpu", tiling="off")
+    model = vae._load(settings)
+    convs = [m for m in model.decoder.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(isinstance(m, vae.StripConv2d) for m in convs)
+    plain = AutoencoderKL.from_pretrained(tiny.folder(["vae"]), subfolder="vae", dtype=settings.dtype).eval()
+    monkeypatch.setattr(vae, "STRIP_BYTES", 16 * 2**10)  # 16 KiB: strips of 1 to 8 rows here
     with torch.inference_mode():
         assert torch.equal(model.decode(latents).sample, plain.decode(latents).sample)
