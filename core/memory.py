@@ -78,8 +78,9 @@ def prefer_expandable_segments() -> bool:
     """Ask PyTorch's CUDA allocator for expandable segments unless its settings were chosen already (Linux
     only: elsewhere PyTorch does not offer them). Call before CUDA's first allocation (the command line
     does, at its start). With them the stages' memory goes back to the driver and comes back without the
-    allocator's fragmentation: measured on an H200 at 1024², GPU peak reserved 3.08 GiB instead of 3.24 and
-    a later prompt in 1.06 s instead of 1.09 (docs/BENCHMARKS.md). Returns whether it set them."""
+    allocator's fragmentation: measured on an H200 at 1024², GPU peak reserved 2.65 GiB instead of 2.92 for
+    2.62 allocated, at the same speed within the run's spread (docs/BENCHMARKS.md). Returns whether it set
+    them."""
     if not sys.platform.startswith("linux") or os.environ.get(ALLOCATOR_SETTINGS):
         return False
     os.environ[ALLOCATOR_SETTINGS] = EXPANDABLE_SEGMENTS

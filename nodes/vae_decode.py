@@ -27,7 +27,7 @@ class PixArtVAEDecode(memory_manager.HoldsModels, io.ComfyNode):
                     default=vae.TILING[0],
                     optional=True,
                     tooltip=f"auto: decode in {vae.TILE_SIZE}-px tiles when the whole image would not fit in free "
-                    "GPU memory (about 2.4 GiB at 1024²; tiles need 0.8 GiB). on: always tile. off: never.",
+                    "GPU memory (about 1.9 GiB at 1024²; tiles need 0.9 GiB). on: always tile. off: never.",
                 ),
                 # New inputs go last: saved workflows list widget values by position.
                 io.Combo.Input(

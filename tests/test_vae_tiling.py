@@ -42,9 +42,10 @@ def test_auto_tiles_only_on_cuda_when_short(latents):
 
 
 def test_untiled_estimate_matches_the_measured_1024_decode():
-    # Measured on an H200: 2.4 GiB of activations for a bf16 decode at 1024².
+    # Measured on an H200: 1.72 GiB of activations for a bf16 decode at 1024² (1.88 GiB with the weights),
+    # the convolutions in strips.
     estimate = vae.untiled_bytes(torch.empty(1, 4, 128, 128), torch.bfloat16)
-    assert 2.4 * 2**30 <= estimate <= 2.8 * 2**30
+    assert 1.72 * 2**30 <= estimate <= 2.0 * 2**30
 
 
 @pytest.mark.parametrize(
