@@ -24,7 +24,7 @@ MIN_TILE_SIZE = 64
 # An untiled SDXL-VAE decode holds about this many activation bytes per output pixel and per byte of
 # its dtype (measured on an H200: 1.72 GiB over the weights at 1024² in bf16, its convolutions in strips),
 # plus a margin.
-ACTIVATION_BYTES_PER_PIXEL = 1000
+ACTIVATION_BYTES_PER_PIXEL = 950
 # A decoder convolution's input larger than this is convolved in horizontal strips of at most this size
 # (StripConv2d).
 STRIP_BYTES = 64 * 2**20
