@@ -323,7 +323,6 @@ def run_server(
     sets += config.get("sets", [])
     # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
     workflow = without_snapshot(workflow)
-    save = next(key for key, node in workflow.items() if node["class_type"] == "SaveImage")
     records, images = [], []
     with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
         client = api.Client(server.url)
@@ -342,7 +341,7 @@ def run_server(
             start = time.perf_counter()
             outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
-            record |= node_seconds(starts, start, prompt, save)
+            record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
                 log.seek(log_start)
                 record |= server_stages(log.read().decode("utf-8", "replace"))
@@ -354,23 +353,20 @@ def run_server(
     return records, images
 
 
-def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict, save: str) -> dict:
+def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict) -> dict:
     """Where a server prompt's time went, from the websocket's ``executing`` messages (each node's start,
     then one with no node once the history is written): seconds from submit to the first node, each node
-    class's seconds, and SaveImage's (``save``: its node id) apart."""
+    class's seconds, and SaveImage's apart."""
     if not starts or starts[-1][0] is not None:
         return {}
     nodes: dict[str, float] = {}
-    saved = None
     for (node, began), (_next, ended) in itertools.pairwise(starts):
         name = prompt[node]["class_type"]
         nodes[name] = nodes.get(name, 0.0) + ended - began
-        if node == save:
-            saved = ended - began
     return {
         "until_first_node": starts[0][1] - submitted,
         "node_seconds": nodes,
-        "save_seconds": saved,
+        "save_seconds": nodes.get("SaveImage"),
     }
 
 

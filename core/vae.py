@@ -162,7 +162,9 @@ def _load(settings: DecoderSettings):
 class StripConv2d(torch.nn.Conv2d):
     """A convolution (stride 1, zero padding that keeps the height) run over horizontal strips of its input
     of at most :data:`STRIP_BYTES` each, every strip with the rows of its neighbours the kernel reaches, into
-    one output: the same numbers (each output row sums the same inputs the same way). For its kernels cuDNN
+    one output: each output row sums the same inputs, so the numbers are the whole convolution's wherever the
+    backend runs a strip with the kernel it runs the whole with (so measured for the decoder's convolutions
+    on the CPU and on an H200: the GPU test and test_vae_tiling.py check it). For its kernels cuDNN
     converts a channels-first bf16 input and its output to channels-last, a copy of both: at the decoder's
     widest point (256 channels at full resolution, 0.5 GiB each at 1024²) a whole convolution needs 1 GiB
     beyond its input and output, a strip a strip's worth."""
@@ -188,8 +190,8 @@ class StripConv2d(torch.nn.Conv2d):
         return out
 
 
-def strips_fit(conv: torch.nn.Conv2d) -> bool:
-    """Whether ``conv`` can run as a :class:`StripConv2d`: stride and dilation 1, one group (the decoder's
+def strips_fit(conv: torch.nn.Module) -> bool:
+    """Whether ``conv`` is a plain Conv2d that can run as a :class:`StripConv2d`: stride and dilation 1, one group (the decoder's
     kind), zero padding that keeps the height."""
     return (
         type(conv) is torch.nn.Conv2d
@@ -207,7 +209,7 @@ def decode_in_strips(model) -> int:
     place); returns how many."""
     changed = 0
     for module in model.decoder.modules():
-        if isinstance(module, torch.nn.Conv2d) and strips_fit(module):
+        if strips_fit(module):
             module.__class__ = StripConv2d
             changed += 1
     return changed
