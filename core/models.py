@@ -34,6 +34,9 @@ LAYOUT_HINT = (
     + ", ".join(BORROWED)
     + " from a complete 1024 folder beside it."
 )
+# Original checkpoints hold the learned empty caption (one row per caption token); diffusers has no use
+# for it, ComfyUI reads the caption length from its rows.
+CAPTION_TOKENS = 300
 
 
 def find_model_folders(roots: Iterable[str | os.PathLike]) -> list[str]:

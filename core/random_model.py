@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .models import MODEL_INDEX, original_key_map
+from .models import CAPTION_TOKENS, MODEL_INDEX, original_key_map
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +233,6 @@ def ensure_random_pixart(folder: str | os.PathLike, preset: str = "tiny", **kwar
     return build_random_pixart(folder, preset, **kwargs)
 
 
-# Original checkpoints hold the learned empty caption (one row per caption token); diffusers has no use
-# for it, ComfyUI reads the caption length from its rows.
-CAPTION_TOKENS = 300
-
-
 def save_single_file_transformer(folder: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Write the transformer of the diffusers model ``folder`` as one safetensors file in the original
     PixArt layout, the one ComfyUI's Load Diffusion Model (UNETLoader) reads: q, k, v fused, PixArt's
@@ -299,4 +294,73 @@ def save_single_file_t5(
     save_file(out, partial, metadata={"format": "pt"})
     partial.replace(path)
     logger.info("wrote the T5 of %s as %s (ComfyUI's t5xxl layout, %s)", folder, path, dtype)
+    return path
+
+
+# The layers of a block a LoRA of PixArt-Σ usually trains: every attention projection and the feed-forward.
+LORA_LAYERS = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
+)
+LORA_FORMATS = {
+    # (key prefix, up suffix, down suffix, writes alpha)
+    "peft": ("transformer.", ".lora_B.weight", ".lora_A.weight", False),
+    "kohya": ("transformer.", ".lora_up.weight", ".lora_down.weight", True),
+    "peft-base-model": ("base_model.model.", ".lora_B.weight", ".lora_A.weight", False),
+}
+
+
+def save_random_lora(
+    folder: str | os.PathLike,
+    path: str | os.PathLike,
+    rank: int = 4,
+    form: str = "peft",
+    seed: int = 0,
+    scale: float = 0.05,
+    blocks: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random LoRA of rank ``rank`` for the transformer of the diffusers model ``folder`` (its config
+    gives the shapes): every attention and feed-forward layer (:data:`LORA_LAYERS`) of the first ``blocks``
+    blocks (all by default), keyed in ``form`` (:data:`LORA_FORMATS`). Factors are drawn at ``scale``, so the
+    delta is about ``scale² × rank`` an element."""
+    import json
+
+    from safetensors.torch import save_file
+
+    if form not in LORA_FORMATS:
+        raise ValueError(f"form {form!r} is unknown; choose one of {', '.join(LORA_FORMATS)}.")
+    prefix, up_suffix, down_suffix, alpha = LORA_FORMATS[form]
+    config = json.loads((Path(folder) / "transformer" / "config.json").read_text())
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    shapes = {  # (out, in) of each layer
+        **{f"attn1.{n}": (hidden, hidden) for n in ("to_q", "to_k", "to_v", "to_out.0")},
+        "attn2.to_q": (hidden, hidden),
+        "attn2.to_k": (hidden, config["cross_attention_dim"] or hidden),
+        "attn2.to_v": (hidden, config["cross_attention_dim"] or hidden),
+        "attn2.to_out.0": (hidden, hidden),
+        "ff.net.0.proj": (4 * hidden, hidden),
+        "ff.net.2": (hidden, 4 * hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for block in range(config["num_layers"] if blocks is None else blocks):
+        for layer in LORA_LAYERS:
+            out, inner = shapes[layer]
+            stem = f"{prefix}transformer_blocks.{block}.{layer}"
+            state[stem + up_suffix] = (torch.randn(out, rank, generator=generator) * scale).to(dtype)
+            state[stem + down_suffix] = (torch.randn(rank, inner, generator=generator) * scale).to(dtype)
+            if alpha:
+                state[stem + ".alpha"] = torch.tensor(float(rank) / 2)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, path)
     return path

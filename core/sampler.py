@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, memory, quant_cache, streaming
+from . import estimates, lora, memory, quant_cache, streaming
 from .cache import cache
 from .contract import (
     LATENT_CHANNELS,
@@ -66,7 +66,8 @@ class SamplerSettings:
     size, waits for the compile. ``keep_loaded`` keeps the transformer for the next prompt instead of
     unloading it. With
     ``quant_cache`` (a folder) the quantized transformer is saved there on first use and read back later
-    (:mod:`quant_cache`), as T5 is."""
+    (:mod:`quant_cache`), as T5 is. ``loras`` are added to the transformer's weights for the run
+    (:mod:`lora`): the kept and pooled transformer stays the one without them."""
 
     model: ModelSource
     width: int | None = None
@@ -86,6 +87,7 @@ class SamplerSettings:
     fast: bool = False
     transformer_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
+    loras: tuple[lora.LoraSpec, ...] = ()
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
@@ -96,6 +98,10 @@ class SamplerSettings:
             check_flag(name, getattr(self, name))
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
+        object.__setattr__(self, "loras", tuple(self.loras))
+        for spec in self.loras:
+            if not isinstance(spec, lora.LoraSpec):
+                raise TypeError(f"loras holds {spec!r}; each must be a LoraSpec (a file and a strength).")
         check_number("steps", self.steps, 1, MAX_STEPS, whole=True)
         check_number("cfg", self.cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
         check_number("seed", self.seed, 0, MAX_SEED, whole=True)
@@ -309,10 +315,24 @@ def _from_file(weights: TransformerFile, dtype: torch.dtype):
 
 
 def _load(settings: SamplerSettings, streamed: bool):
-    """The transformer, quantized, its quantized layers plain ones (``plain_modules``), on the settings'
-    device; ``streamed``: quantized in CPU memory and its blocks streamed to the device one at a time
-    (:mod:`streaming`). ``fast``: the blocks are compiled. With ``settings.quant_cache`` a scheme whose
-    backend saves its work is quantized once and read back from there afterwards (:mod:`quant_cache`)."""
+    """The transformer, quantized (:func:`quantized_transformer`), on the settings' device; ``streamed``:
+    kept in CPU memory and its blocks streamed to the device one at a time (:mod:`streaming`). ``fast``:
+    the blocks are compiled."""
+    return prepare(
+        quantized_transformer(settings),
+        settings.scheme,
+        settings.device,
+        streamed,
+        settings.fast,
+        quantized=True,
+    )
+
+
+def quantized_transformer(settings: SamplerSettings):
+    """The transformer in CPU memory, quantized by the settings' scheme with its quantized layers plain ones
+    (``plain_modules``), in eval mode without gradients: what the sampler runs and the pack's MODEL holds.
+    With ``settings.quant_cache`` a scheme whose backend saves its work is quantized once and read back from
+    there afterwards (:mod:`quant_cache`)."""
     weights, scheme = settings.weights, settings.scheme
     if isinstance(weights, TransformerFile):
         origin = weights.path
@@ -334,7 +354,9 @@ def _load(settings: SamplerSettings, streamed: bool):
             build=quantize,
             save=scheme.backend.save_quantized,
         )
-    return prepare(model, scheme, settings.device, streamed, settings.fast, quantized=True)
+    model.eval().requires_grad_(False)
+    scheme.plain_modules(model)
+    return model
 
 
 def _read(settings: SamplerSettings, origin: Path):
@@ -490,11 +512,13 @@ def sample(
         # The pipeline multiplies the latents it is given by init_noise_sigma, as it does pure noise.
         latents = noised / schedule.init_noise_sigma
     with memory.stage("sample", settings.device, report, settings.out_of_memory_advice()):
-        latents = _sample(settings, embeds, latents, schedule, generator, on_progress)
+        latents = _sample(settings, embeds, latents, schedule, generator, on_progress, on_warning)
     return latents / scale
 
 
-def _sample(settings: SamplerSettings, embeds, latents, schedule, generator, on_progress) -> torch.Tensor:
+def _sample(
+    settings: SamplerSettings, embeds, latents, schedule, generator, on_progress, on_warning
+) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the transformer alive.
     from diffusers import PixArtSigmaPipeline
 
@@ -512,6 +536,7 @@ def _sample(settings: SamplerSettings, embeds, latents, schedule, generator, on_
             weights,
             work,
         ) as transformer,
+        lora.applied(transformer, settings.loras, on_warning),
         _dense(settings, transformer, *size),
     ):
         pipe = PixArtSigmaPipeline(

@@ -6,6 +6,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .free_vram import FreeVRAM
 from .memory_snapshot import MemorySnapshot
+from .model_loader import PixArtInt8ModelLoader, PixArtLoRA
 from .sampler import QuantoPixArtSampler
 from .t5_encode import QuantizedT5Encode
 from .vae_decode import PixArtVAEDecode
@@ -16,6 +17,8 @@ NODES: list[type[io.ComfyNode]] = [
     PixArtVAEDecode,
     FreeVRAM,
     MemorySnapshot,
+    PixArtInt8ModelLoader,
+    PixArtLoRA,
 ]
 
 

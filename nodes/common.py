@@ -27,6 +27,8 @@ SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
 FROM_MODEL = "(from model)"
 
 PixArtEmbeds = io.Custom("PIXART_EMBEDS")
+# LoRAs for the Quanto PixArt Sampler: a tuple of core.lora.LoraSpec, chained through PixArt-Σ LoRA nodes.
+PixArtLoras = io.Custom("PIXART_LORAS")
 
 
 class _AnyType(str):

@@ -38,6 +38,20 @@ def transformer_path(name: str) -> str | None:
     )
 
 
+def transformer_file_input() -> io.Combo.Input:
+    return io.Combo.Input(
+        "transformer_file",
+        options=[common.FROM_MODEL, *transformer_files()],
+        default=common.FROM_MODEL,
+        optional=True,
+        tooltip="(from model): the model folder's transformer/. Or a PixArt-Σ transformer as one "
+        ".safetensors file from models/diffusion_models or models/checkpoints (the original checkpoint "
+        "ComfyUI's Load Diffusion Model reads, e.g. PixArt-Sigma-XL-2-2K-MS, or a diffusers transformer "
+        "file). A size in its name (512, 1024, 2K) sets its native size; the model folder still gives "
+        "the scheduler and the VAE.",
+    )
+
+
 def _size_input(name: str) -> io.Int.Input:
     return io.Int.Input(
         name,
@@ -137,17 +151,7 @@ class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
                     "only size and batch), 0 returns it unchanged. Below 1 needs a latent.",
                 ),
                 common.low_vram_input("the transformer's 28 blocks"),
-                io.Combo.Input(
-                    "transformer_file",
-                    options=[common.FROM_MODEL, *transformer_files()],
-                    default=common.FROM_MODEL,
-                    optional=True,
-                    tooltip="(from model): the model folder's transformer/. Or a PixArt-Σ transformer as one "
-                    ".safetensors file from models/diffusion_models or models/checkpoints (the original checkpoint "
-                    "ComfyUI's Load Diffusion Model reads, e.g. PixArt-Sigma-XL-2-2K-MS, or a diffusers transformer "
-                    "file). A size in its name (512, 1024, 2K) sets its native size; the model folder still gives "
-                    "the scheduler and the VAE.",
-                ),
+                transformer_file_input(),
                 io.Boolean.Input(
                     "fast",
                     default=False,
@@ -157,6 +161,12 @@ class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
                     "model's memory. The first image of a session (and of each new size) waits for the compile, "
                     "about 20 s on a GPU; keep_loaded keeps the compiled model. Needs a working torch.compile "
                     "(Triton on NVIDIA GPUs).",
+                ),
+                common.PixArtLoras.Input(
+                    "loras",
+                    optional=True,
+                    tooltip="LoRAs from PixArt-Σ LoRA nodes, added at run time to the int8 weights (no float "
+                    "copy of the transformer); a kept transformer stays the one without them.",
                 ),
             ],
             outputs=[
@@ -209,6 +219,7 @@ class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
         low_vram=False,
         transformer_file=common.FROM_MODEL,
         fast=False,
+        loras=(),
     ) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         # A linked latent sets the size: the width and height widgets are not used then.
@@ -231,6 +242,7 @@ class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
             fast=fast,
             transformer_file=transformer_path(transformer_file),
             quant_cache=common.quant_cache_dir(),
+            loras=loras,
         )
         warnings: list[str] = []
         with common.comfy_advice():

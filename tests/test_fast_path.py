@@ -67,9 +67,9 @@ def test_quantized_linears_become_plain_ones_holding_quantos_values(scheme):
     data = [model[0].weight._data, model[2].weight._data]
     assert plain_layers(model) == 2
     assert [type(m) for m in model] == [ScaledWeightLinear, torch.nn.GELU, ScaledWeightLinear]
-    assert [model[0].weight_data, model[2].weight_data] == data  # quanto's own tensors, not copies
+    assert [model[0].weight, model[2].weight] == data  # quanto's own tensors, not copies
     assert all(type(t) is torch.Tensor for t in model.buffers())  # plain: they move and pin as any other
-    assert model[0].weight_data.dtype == {"qint8": torch.int8, "qfloat8": torch.float8_e4m3fn}[scheme]
+    assert model[0].weight.dtype == {"qint8": torch.int8, "qfloat8": torch.float8_e4m3fn}[scheme]
     assert model[2].bias is None
     # quanto's own formula in fp32 (its CPU int8 kernel serves bf16 only): the same numbers
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)

@@ -8,7 +8,7 @@ cache is built as those directly, so a process whose cache is warm never imports
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +23,9 @@ WEIGHTS_FILE = "quanto.safetensors"
 # quanto's layers keep (1 without quantized activations).
 DATA, SCALE = ".weight._data", ".weight._scale"
 UNIT_SCALES = (".input_scale", ".output_scale")
+# Takes a layer's expanded weight (a tensor of its own, free to change in place) and returns the one to
+# compute with.
+WeightPatch = Callable[[torch.Tensor], torch.Tensor]
 
 
 class QuantoBackend(QuantBackend):
@@ -80,7 +83,7 @@ class QuantoBackend(QuantBackend):
             setattr(owner, child, plain_layer(getattr(owner, child), data, scale, bias))
             made.append(name)
         result = empty.load_state_dict(state, strict=False, assign=True)
-        made_keys = {f"{name}.{key}" for name in made for key in ("weight_data", "weight_scale", "bias")}
+        made_keys = {f"{name}.{key}" for name in made for key in ("weight", "weight_scale", "bias")}
         missing = sorted(set(result.missing_keys) - made_keys)
         if missing or result.unexpected_keys:
             raise ValueError(
@@ -106,9 +109,9 @@ def expand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class ScaledWeightLinear(torch.nn.Module):
-    """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight_data``
-    (int8 or float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing
-    what quanto's generic matrix product (``qbytes_mm``) computes: the weight expanded as quanto expands it
+    """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight`` (int8 or
+    float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing what
+    quanto's generic matrix product (``qbytes_mm``) computes: the weight expanded as quanto expands it
     (``scale × data``), then one matrix product, here with the bias fused into it (quanto adds it after:
     the same up to the rounding of that sum; a layer without bias gives that product's numbers bit for
     bit). On CUDA quanto may pick packed kernels of its own for some weights: the same arithmetic to
@@ -116,52 +119,93 @@ class ScaledWeightLinear(torch.nn.Module):
     the sampler's time at 1024²). Under ``torch.compile`` the expansion fuses into one kernel per weight;
     plain tensors also move and pin like any other (low-VRAM streaming, host copies).
 
-    ``weight_dense``, set by :func:`dense_weights` for a run, holds the expanded weight so the layer skips
-    the expansion; None otherwise (a non-persistent buffer: never saved, and a graph input when compiled)."""
+    ``weight_patch``, when set, takes the expanded weight and returns the one to compute with: how LoRAs
+    apply at run time (:mod:`..lora`, and ComfyUI's patches in the pack's MODEL), while the stored weight
+    stays int8. ``weight_dense``, set by :func:`dense_weights` for a run, holds the expanded (and patched)
+    weight so the layer skips the expansion; None otherwise (a non-persistent buffer: never saved, and a
+    graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer."""
+
+    weight_patch: WeightPatch | None = None
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = data.shape[1], data.shape[0]
-        self.register_buffer("weight_data", data)
+        self.register_buffer("weight", data)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_dense", None, persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
-    def expanded(self) -> torch.Tensor:
-        return expand(self.weight_data, self.weight_scale)
+    def expanded(self, device: torch.device | None = None) -> torch.Tensor:
+        """The weight to compute with on ``device`` (where it is, by default): expanded, then patched when a
+        patch is set."""
+        return _expanded(self, device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight_dense if self.weight_dense is not None else self.expanded()
-        return torch.nn.functional.linear(input.to(weight.dtype), weight, self.bias)
+        weight = self.weight_dense
+        if weight is None or weight.device != input.device:
+            weight = self.expanded(input.device)
+        return torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
 
 
 class ScaledWeightConv2d(torch.nn.Module):
-    """A 2-D convolution holding quanto's quantized weight as plain ``weight_data`` and ``weight_scale``
+    """A 2-D convolution holding quanto's quantized weight as plain ``weight`` and ``weight_scale``
     (``[out, 1, 1, 1]``) and convolving with the weight expanded as quanto expands it (quanto's QConv2d
-    convolves with its dequantized weight: the same numbers). The transformer has one (the patch embedding),
-    run once per step: it is never held expanded."""
+    convolves with its dequantized weight: the same numbers), patched as :class:`ScaledWeightLinear`'s is.
+    The transformer has one (the patch embedding), run once per step: it is never held expanded."""
+
+    weight_patch: WeightPatch | None = None
 
     def __init__(
-        self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, like: torch.nn.Conv2d
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
     ):
         super().__init__()
-        if like.padding_mode != "zeros":
-            raise TypeError(f"a {like.padding_mode!r}-padded convolution is not one the sampler runs")
-        self.stride, self.padding, self.dilation, self.groups = (
-            like.stride,
-            like.padding,
-            like.dilation,
-            like.groups,
-        )
-        self.register_buffer("weight_data", data)
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        self.register_buffer("weight", data)
         self.register_buffer("weight_scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
+    @classmethod
+    def like(
+        cls, layer: torch.nn.Conv2d, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> ScaledWeightConv2d:
+        if layer.padding_mode != "zeros":
+            raise TypeError(f"a {layer.padding_mode!r}-padded convolution is not one the sampler runs")
+        return cls(data, scale, bias, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+    def expanded(self, device: torch.device | None = None) -> torch.Tensor:
+        return _expanded(self, device)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = expand(self.weight_data, self.weight_scale)
+        weight = self.expanded(input.device)
         return torch.nn.functional.conv2d(
-            input.to(weight.dtype), weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+            input.to(weight.dtype),
+            weight,
+            _on(self.bias, input.device),
+            self.stride,
+            self.padding,
+            self.dilation,
+            self.groups,
         )
+
+
+def _expanded(layer: ScaledWeightLinear | ScaledWeightConv2d, device: torch.device | None) -> torch.Tensor:
+    # A layer whose tensors are elsewhere (ComfyUI may leave layers of a partly loaded MODEL in host memory)
+    # expands on the device that computes; where they already are, ``to`` is no copy.
+    weight = expand(_on(layer.weight, device), _on(layer.weight_scale, device))
+    return weight if layer.weight_patch is None else layer.weight_patch(weight)
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device | None) -> torch.Tensor | None:
+    if tensor is None or device is None or tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=True)
 
 
 def plain_layer(
@@ -175,7 +219,7 @@ def plain_layer(
             "one; the sampler takes qint8 and qfloat8 weights."
         )
     if isinstance(layer, torch.nn.Conv2d):
-        return ScaledWeightConv2d(data, scale, bias, layer)
+        return ScaledWeightConv2d.like(layer, data, scale, bias)
     if isinstance(layer, torch.nn.Linear):
         return ScaledWeightLinear(data, scale, bias)
     raise TypeError(f"a quantized {type(layer).__name__} is not a layer the sampler runs")
@@ -199,14 +243,24 @@ def dense_weights(module: torch.nn.Module) -> Iterator[int]:
     on its device (:func:`dense_bytes` more memory), so a run costs what an unquantized model's costs; the
     same numbers bit for bit, since each layer expands the same way per call. Afterwards the expanded
     weights are dropped: the quantized ones stay what is kept, pooled and copied. Yields how many layers."""
-    layers = dense_layers(module)
     try:
-        for layer in layers:
-            layer.weight_dense = layer.expanded()
-        yield len(layers)
+        yield hold_dense(module)
     finally:
-        for layer in layers:
-            layer.weight_dense = None
+        drop_dense(module)
+
+
+def hold_dense(module: torch.nn.Module, device: torch.device | None = None) -> int:
+    """Every quantized linear layer under ``module`` holds its weight expanded (and patched) on ``device``
+    (where it is, by default) until :func:`drop_dense`; returns how many."""
+    layers = dense_layers(module)
+    for layer in layers:
+        layer.weight_dense = layer.expanded(device)
+    return len(layers)
+
+
+def drop_dense(module: torch.nn.Module) -> None:
+    for layer in dense_layers(module):
+        layer.weight_dense = None
 
 
 def plain_layers(module: torch.nn.Module) -> int:

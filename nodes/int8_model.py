@@ -1,0 +1,271 @@
+"""The pack's int8 transformer as one of ComfyUI's own MODELs.
+
+ComfyUI builds the model (its own PixArt-Σ, ``comfy/ldm/pixart``) through its own model config and loader
+steps, with the pack's layers as its custom operations: every linear and convolution layer is the pack's
+:class:`~..core.quant.quanto.ScaledWeightLinear` / ``ScaledWeightConv2d`` (the layers the Quanto PixArt
+Sampler runs), holding the int8 (or float8) weights and their per-row scales. The result is a plain
+``ModelPatcher``: ComfyUI's model management loads, offloads and frees it, and core's samplers and model
+patches take it as any MODEL.
+
+LoRA: ComfyUI's LoRA loaders add their patches to the ModelPatcher as usual (``add_patches``, keyed by the
+layers' ``weight``). The weights are buffers of the pack's layers, which ComfyUI's loading moves but never
+rewrites, so the int8 weights stay as they are; when a sampling run starts (``ON_PRE_RUN``) each layer with
+patches gets them as its ``weight_patch``, which adds them (``comfy.lora.calculate_weight``, every adapter
+ComfyUI knows) to the weight the layer expands anyway; the run's end (``ON_CLEANUP``) takes them off. Where
+the device has the room, a run holds the weights expanded, with their patches, as the pack's sampler does.
+
+ComfyUI's model detection assumes PixArt-Σ's published sizes; the config here comes from the transformer's
+own (``unet_config``), so every PixArt-Σ-architecture model the pack reads works, the tiny test models too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.lora
+import comfy.model_detection
+import comfy.model_management
+import comfy.model_patcher
+import comfy.ops
+import comfy.utils
+import torch
+from comfy.patcher_extension import CallbacksMP
+
+from ..core import estimates, memory
+from ..core.models import CAPTION_TOKENS
+from ..core.quant import quanto
+from ..core.sampler import SamplerSettings, quantized_transformer
+
+logger = logging.getLogger(__name__)
+
+CALLBACK_KEY = "pixart_lowvram_int8"
+META = torch.device("meta")
+# diffusers' keys of the transformer that ComfyUI's PixArt computes instead of reading.
+COMPUTED = ("pos_embed.pos_embed",)
+
+
+def _load_scaled(layer, state_dict, prefix, missing_keys, unexpected_keys, dtype):
+    """Take the layer's tensors from ComfyUI's state dict as they are (no copy into the placeholders):
+    ``weight`` (int8, float8, or a float weight of a layer left unquantized), its ``weight_scale`` (ones for
+    an unquantized one, so every layer expands the same way) and ``bias``; scales and floats in ``dtype``."""
+    weight = state_dict.get(prefix + "weight")
+    if weight is None:
+        missing_keys.append(prefix + "weight")
+        return
+    scale = state_dict.get(prefix + "weight_scale")
+    if scale is None:
+        scale = torch.ones((weight.shape[0],) + (1,) * (weight.dim() - 1), dtype=dtype)
+        weight = weight.to(dtype)
+    layer.weight = weight
+    layer.weight_scale = scale.to(dtype)
+    bias = state_dict.get(prefix + "bias")
+    if layer.bias is not None:
+        if bias is None:
+            missing_keys.append(prefix + "bias")
+        else:
+            layer.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+    known = {prefix + name for name in ("weight", "weight_scale", "bias")}
+    unexpected_keys.extend(
+        key
+        for key in state_dict
+        if key.startswith(prefix) and key not in known and "." not in key[len(prefix) :]
+    )
+
+
+class Int8Ops(comfy.ops.manual_cast):
+    """ComfyUI's operations with the pack's layers as its linear and 2-D convolution layers."""
+
+    class Linear(quanto.ScaledWeightLinear):
+        def __init__(self, in_features, out_features, bias=True, dtype=None, device=None):
+            self.compute_dtype = dtype or torch.float32
+            super().__init__(
+                torch.empty(out_features, in_features, dtype=torch.int8, device=META),
+                torch.empty(out_features, 1, dtype=self.compute_dtype, device=META),
+                torch.empty(out_features, dtype=self.compute_dtype, device=META) if bias else None,
+            )
+
+        def _load_from_state_dict(self, state_dict, prefix, _metadata, _strict, missing, unexpected, _errors):
+            _load_scaled(self, state_dict, prefix, missing, unexpected, self.compute_dtype)
+
+    class Conv2d(quanto.ScaledWeightConv2d):
+        def __init__(
+            self,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride=1,
+            padding=0,
+            dilation=1,
+            groups=1,
+            bias=True,
+            padding_mode="zeros",
+            dtype=None,
+            device=None,
+        ):
+            if padding_mode != "zeros":
+                raise TypeError(f"a {padding_mode!r}-padded convolution is not one the pack's MODEL runs")
+            self.compute_dtype = dtype or torch.float32
+            size = torch.nn.modules.utils._pair(kernel_size)
+            super().__init__(
+                torch.empty(out_channels, in_channels // groups, *size, dtype=torch.int8, device=META),
+                torch.empty(out_channels, 1, 1, 1, dtype=self.compute_dtype, device=META),
+                torch.empty(out_channels, dtype=self.compute_dtype, device=META) if bias else None,
+                torch.nn.modules.utils._pair(stride),
+                torch.nn.modules.utils._pair(padding),
+                torch.nn.modules.utils._pair(dilation),
+                groups,
+            )
+
+        def _load_from_state_dict(self, state_dict, prefix, _metadata, _strict, missing, unexpected, _errors):
+            _load_scaled(self, state_dict, prefix, missing, unexpected, self.compute_dtype)
+
+
+def unet_config(config: dict, state: dict[str, torch.Tensor]) -> dict:
+    """ComfyUI's PixArt config (``PixArtMS``'s arguments) for a diffusers transformer config and its
+    weights (diffusers' keys)."""
+    heads, hidden = (
+        config["num_attention_heads"],
+        config["num_attention_heads"] * config["attention_head_dim"],
+    )
+    in_channels = config.get("in_channels", 4)
+    out_channels = config.get("out_channels") or in_channels
+    sample_size = config.get("sample_size", 128)
+    alpha = "adaln_single.emb.resolution_embedder.linear_1.weight" in state
+    return {
+        "image_model": "pixart_alpha" if alpha else "pixart_sigma",
+        "micro_condition": alpha,
+        "patch_size": config.get("patch_size", 2),
+        "in_channels": in_channels,
+        "pred_sigma": out_channels == 2 * in_channels,
+        "learn_sigma": out_channels == 2 * in_channels,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "depth": config["num_layers"],
+        "mlp_ratio": state["transformer_blocks.0.ff.net.0.proj.weight"].shape[0] / hidden,
+        "caption_channels": config.get("caption_channels", 4096),
+        "model_max_length": CAPTION_TOKENS,
+        "input_size": sample_size,
+        # diffusers' position embedding scale, fixed as diffusers fixes it (ComfyUI's default works it out
+        # from the image size: the same at the native size, and 0 for a model smaller than 512 px).
+        "pe_interpolation": config.get("interpolation_scale") or max(sample_size // 64, 1),
+    }
+
+
+def comfy_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The transformer's tensors (diffusers' keys, quantized layers as ``weight`` and ``weight_scale``)
+    under ComfyUI's PixArt keys, through ComfyUI's own key map (``comfy.utils.pixart_to_diffusers``): the
+    separate q, k, v (and k, v) projections become its fused ones, rows stacked at the map's offsets."""
+    key_map = comfy.utils.pixart_to_diffusers(config)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    unmapped = []
+    for key, tensor in state.items():
+        stem, suffix = (key[: -len("_scale")], "_scale") if key.endswith(".weight_scale") else (key, "")
+        target = key_map.get(stem)
+        if target is None:
+            if key not in COMPUTED:
+                unmapped.append(key)
+            continue
+        name, offset = (target, None) if isinstance(target, str) else target
+        if offset is not None and offset[0] != 0:
+            raise ValueError(f"{key}: ComfyUI's map joins it along dimension {offset[0]}, not its rows")
+        pieces.setdefault(name + suffix, []).append((0 if offset is None else offset[1], tensor))
+    # The learned empty caption of original checkpoints, for dropout in training: diffusers keeps none, and
+    # ComfyUI's PixArt reads only its length.
+    caption = state["caption_projection.linear_1.weight"]
+    pieces["y_embedder.y_embedding"] = [
+        (0, torch.zeros(CAPTION_TOKENS, caption.shape[1], dtype=caption.dtype))
+    ]
+    if unmapped:
+        raise ValueError(
+            f"the transformer has weights ComfyUI's PixArt has no place for ({', '.join(unmapped[:5])}); it is "
+            "not a PixArt-Σ transformer the pack's MODEL can hold."
+        )
+    return {
+        name: parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
+        for name, parts in pieces.items()
+    }
+
+
+def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
+    """The transformer of ``settings`` (its model folder or file, scheme and quantized cache) as a ComfyUI
+    MODEL holding its quantized weights."""
+    transformer = quantized_transformer(settings)
+    state = {key: tensor.detach() for key, tensor in transformer.state_dict().items()}
+    config = unet_config(settings.config, state)
+    del transformer
+    state = comfy_state(state, config)
+    model_config = comfy.model_detection.model_config_from_unet_config(config, state)
+    if model_config is None:
+        raise ValueError(f"ComfyUI has no model for the config {config}; it is not a PixArt model")
+    load_device = comfy.model_management.get_torch_device()
+    offload_device = comfy.model_management.unet_offload_device()
+    supported = model_config.supported_inference_dtypes
+    dtype = comfy.model_management.unet_dtype(
+        load_device, sum(t.numel() for t in state.values()), supported, weight_dtype=settings.dtype
+    )
+    model_config.set_inference_dtype(
+        dtype, comfy.model_management.unet_manual_cast(dtype, load_device, supported)
+    )
+    model_config.custom_operations = Int8Ops
+    model = model_config.get_model(state, "")
+    model.load_model_weights(state, "")
+    patcher = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)(
+        model, load_device=load_device, offload_device=offload_device
+    )
+    run = _Run(settings)
+    patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
+    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)
+    logger.info(
+        "PixArt-Σ %s MODEL: %s of weights, %d layers quantized",
+        settings.scheme.describe(),
+        memory.format_bytes(patcher.model_size()),
+        sum(isinstance(m, quanto.ScaledWeightLinear) for m in model.modules()),
+    )
+    return patcher
+
+
+class _Run:
+    """What a sampling run of the MODEL adds to its layers and takes off after: the ModelPatcher's patches
+    for each layer's weight, and the weights held expanded where the device has the room."""
+
+    def __init__(self, settings: SamplerSettings):
+        self.scheme, self.dtype, self.native = settings.scheme, settings.dtype, settings.native_size
+
+    def layers(self, patcher):
+        prefix = "diffusion_model."
+        for name, layer in patcher.model.diffusion_model.named_modules():
+            if isinstance(layer, (quanto.ScaledWeightLinear, quanto.ScaledWeightConv2d)):
+                yield f"{prefix}{name}.weight", layer
+
+    def start(self, patcher) -> None:
+        patched = 0
+        for key, layer in self.layers(patcher):
+            patches = patcher.patches.get(key)
+            layer.weight_patch = None if not patches else _Patches(patches, key)
+            patched += bool(patches)
+        if patched:
+            logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", patched)
+        device = patcher.load_device
+        dense = quanto.dense_bytes(patcher.model)
+        if device.type != "cuda" or not dense:
+            return
+        # The run's own work for a CFG batch at the native size, beside the expanded weights.
+        run = estimates.transformer(self.scheme, self.dtype, 2, self.native**2)[1]
+        if dense + run <= comfy.model_management.get_free_memory(device):
+            quanto.hold_dense(patcher.model, device)
+
+    def end(self, patcher) -> None:
+        quanto.drop_dense(patcher.model)
+        for _key, layer in self.layers(patcher):
+            layer.weight_patch = None
+
+
+class _Patches:
+    """A layer's ComfyUI patches as its ``weight_patch``: added to the expanded weight as ComfyUI adds them
+    to any weight (``comfy.lora.calculate_weight``, which narrows to a fused layer's rows by itself)."""
+
+    def __init__(self, patches: list, key: str):
+        self.patches, self.key = patches, key
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return comfy.lora.calculate_weight(self.patches, weight, self.key)

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import folder_paths
+from comfy_api.latest import io
+
+from ..core import lora, sampler
+from ..core.quant import TRANSFORMER_SCHEMES
+from . import common, int8_model
+from .sampler import transformer_file_input, transformer_path
+
+
+class PixArtInt8ModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PixArtQ_ModelLoader",
+            display_name="PixArt-Σ int8 Model Loader",
+            category=common.CATEGORY,
+            description="Loads the PixArt-Σ transformer with int8 (or float8) weights through optimum-quanto, "
+            "from the same folders, single files and pre-quantized cache as the Quanto PixArt Sampler, as a "
+            "ComfyUI MODEL: core's KSampler, SamplerCustomAdvanced, LoraLoaderModelOnly and model patches take "
+            "it, and ComfyUI's model management loads, offloads and frees it. LoRAs apply at run time over the "
+            "int8 weights. Condition it with Quantized T5 Encode's CONDITIONING outputs.",
+            inputs=[
+                common.model_input(),
+                common.quantization_input(TRANSFORMER_SCHEMES),
+                transformer_file_input(),
+            ],
+            outputs=[
+                io.Model.Output(
+                    tooltip="The transformer as a ComfyUI MODEL (PixArt-Σ, SDXL latents: decode with the SDXL "
+                    "VAE or VAE Decode (PixArt-Σ))."
+                )
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, quantization, transformer_file=common.FROM_MODEL) -> io.NodeOutput:
+        settings = sampler.SamplerSettings(
+            common.resolve(model),
+            quantization=quantization,
+            device=common.device(),
+            transformer_file=transformer_path(transformer_file),
+            quant_cache=common.quant_cache_dir(),
+        )
+        with common.comfy_advice():
+            return io.NodeOutput(int8_model.load(settings))
+
+
+class PixArtLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PixArtQ_LoRA",
+            display_name="PixArt-Σ LoRA",
+            category=common.CATEGORY,
+            description="A LoRA for the Quanto PixArt Sampler, added at run time to the transformer's int8 "
+            "weights (no float copy of the transformer). Chain several to stack them. For a MODEL from the "
+            "PixArt-Σ int8 Model Loader, use core's LoraLoaderModelOnly instead.",
+            inputs=[
+                io.Combo.Input(
+                    "lora_name",
+                    options=folder_paths.get_filename_list("loras"),
+                    tooltip="A PixArt-Σ LoRA (.safetensors) from models/loras: keys transformer.<layer>, "
+                    "base_model.model.<layer> or unet.base_model.model.<layer>, with lora_A/lora_B or "
+                    "lora_down/lora_up factors.",
+                ),
+                io.Float.Input(
+                    "strength",
+                    default=1.0,
+                    min=-lora.MAX_STRENGTH,
+                    max=lora.MAX_STRENGTH,
+                    step=0.01,
+                    tooltip="How strongly the LoRA applies: 1 as trained, 0 leaves it out, negative inverts it.",
+                ),
+                common.PixArtLoras.Input(
+                    "loras", optional=True, tooltip="LoRAs from another PixArt-Σ LoRA node, applied first."
+                ),
+            ],
+            outputs=[common.PixArtLoras.Output(tooltip="The LoRAs so far, for the sampler's loras input.")],
+        )
+
+    @classmethod
+    def execute(cls, lora_name, strength, loras=()) -> io.NodeOutput:
+        path = folder_paths.get_full_path("loras", lora_name)
+        if path is None:
+            raise FileNotFoundError(f"lora_name {lora_name!r} is not in models/loras; put the file there.")
+        return io.NodeOutput((*loras, lora.LoraSpec(path, strength)))
