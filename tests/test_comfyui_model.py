@@ -1,0 +1,114 @@
+"""The pack's int8 transformer as a ComfyUI MODEL, in a real server (the ``comfyui`` tier): the bundled
+LoRA workflow's graph — Quantized T5 Encode → PixArt-Σ int8 Model Loader → core's LoraLoaderModelOnly →
+core's KSampler → VAE Decode (PixArt-Σ) → SaveImage — on the tiny model, with a random LoRA in
+models/loras: strength 1 changes the image, strength 0 gives the image without it, ``/free`` lets the
+model go and a prompt after runs; and the Quanto PixArt Sampler with the PixArt-Σ LoRA node."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+from comfyui_support import HTTP_TIMEOUT, MODEL, REPO, STEPS, node_id, running_server
+from PIL import Image
+
+from pixart_lowvram.core.random_model import save_random_lora
+
+pytestmark = pytest.mark.comfyui
+
+WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_lora_ksampler_api.json"
+LORA = "tiny-lora.safetensors"
+# ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
+# (a division by zero): the tiny model runs through core's KSampler at this size, not its native 64 px.
+SIZE = 320
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, tiny_folder):
+    base = tmp_path_factory.mktemp("comfyui")
+    save_random_lora(tiny_folder, base / "models" / "loras" / LORA, scale=0.15)
+    with running_server(request, base, tiny_folder) as started:
+        yield started
+
+
+def lora_prompt(strength: float, seed: int = 3) -> dict:
+    """The bundled workflow on the tiny model at its native size, few steps, the test's LoRA."""
+    prompt = json.loads(WORKFLOW.read_text(encoding="utf-8"))
+    for node in prompt.values():
+        if "model" in node["inputs"] and isinstance(node["inputs"]["model"], str):
+            node["inputs"]["model"] = MODEL
+    prompt[node_id(prompt, "LoraLoaderModelOnly")]["inputs"].update(lora_name=LORA, strength_model=strength)
+    prompt[node_id(prompt, "EmptyLatentImage")]["inputs"].update(width=SIZE, height=SIZE)
+    prompt[node_id(prompt, "KSampler")]["inputs"].update(steps=STEPS, seed=seed)
+    return prompt
+
+
+def without_lora(prompt: dict) -> dict:
+    """The same graph with the loader's MODEL straight into KSampler."""
+    lora = node_id(prompt, "LoraLoaderModelOnly")
+    prompt = {key: node for key, node in prompt.items() if key != lora}
+    prompt[node_id(prompt, "KSampler")]["inputs"]["model"] = [node_id(prompt, "PixArtQ_ModelLoader"), 0]
+    return prompt
+
+
+def image(server, prompt: dict) -> np.ndarray:
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    (saved,) = run.outputs[node_id(prompt, "SaveImage")]["images"]
+    return np.asarray(Image.open(server.output / saved["subfolder"] / saved["filename"]).convert("RGB"))
+
+
+def options(entry: list) -> list:
+    """A combo's options in /object_info: ``[[...], {...}]``, or ``["COMBO", {"options": [...]}]`` (V3)."""
+    return entry[0] if isinstance(entry[0], list) else entry[1]["options"]
+
+
+def test_the_loader_offers_the_models_and_core_loras_find_the_file(server):
+    info = server.get("/object_info/PixArtQ_ModelLoader")["PixArtQ_ModelLoader"]
+    assert MODEL in options(info["input"]["required"]["model"])
+    assert info["output"] == ["MODEL"]
+    loras = server.get("/object_info/LoraLoaderModelOnly")["LoraLoaderModelOnly"]["input"]["required"]
+    assert LORA in options(loras["lora_name"])
+
+
+def test_a_lora_through_core_nodes_on_the_packs_model(server):
+    start = server.log.stat().st_size
+    plain = image(server, without_lora(lora_prompt(1.0)))
+    with_lora = image(server, lora_prompt(1.0))
+    at_zero = image(server, lora_prompt(0.0))
+    log = server.log_text(start)
+    assert "Traceback" not in log
+    assert "lora key not loaded" not in log  # every key of the file reached a layer
+    assert np.abs(with_lora.astype(int) - plain.astype(int)).mean() > 2, "strength 1 changes the image"
+    # Strength 0: core's loader adds no patch, so the same computation as without the LoRA.
+    assert np.array_equal(at_zero, plain)
+    # The LoRA's patches are taken off after its run: the model alone gives its own image again.
+    assert np.array_equal(image(server, without_lora(lora_prompt(1.0))), plain)
+
+
+def test_free_lets_the_model_go_and_a_prompt_after_runs(server):
+    first = image(server, lora_prompt(1.0, seed=11))
+    response = requests.post(
+        server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
+    )
+    assert response.status_code == 200
+    # ComfyUI frees on its prompt worker's next turn; the next prompt loads everything anew.
+    assert np.array_equal(image(server, lora_prompt(1.0, seed=11)), first)
+
+
+def test_the_packs_sampler_takes_the_lora_node(server):
+    from comfyui_support import basic_prompt
+
+    prompt = basic_prompt()
+    sampler = node_id(prompt, "PixArtQ_Sampler")
+    plain = image(server, prompt)
+    prompt["lora"] = {"class_type": "PixArtQ_LoRA", "inputs": {"lora_name": LORA, "strength": 1.0}}
+    prompt[sampler]["inputs"]["loras"] = ["lora", 0]
+    with_lora = image(server, prompt)
+    prompt["lora"]["inputs"]["strength"] = 0.0
+    at_zero = image(server, prompt)
+    assert np.abs(with_lora.astype(int) - plain.astype(int)).mean() > 2
+    assert np.array_equal(at_zero, plain)
+
