@@ -1,322 +1,60 @@
-"""Command line: ``python -m pixart_lowvram demo``, ``generate``, and ``queue`` (a workflow on a ComfyUI server)."""
+"""Command line: ``python -m pixart_lowvram demo``, ``generate``, ``cache``, and ``queue`` (a workflow on a
+ComfyUI server); the commands are in :mod:`.commands`.
+
+This module imports nothing heavy, so that what it says on a mistake, a failure or Ctrl-C holds from the
+first moment, through the seconds torch and diffusers take to import: one line, never a traceback.
+"""
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
+import signal
 import sys
-import time
-from pathlib import Path
+import threading
 
-import torch
-from tqdm.auto import tqdm
-
-from . import (
-    contract,
-    memory,
-    outputs,
-    quant,
-    quant_cache,
-    random_model,
-    sampler,
-    schedulers,
-    text_encoder,
-    timeline,
-    vae,
-)
-from .cache import cache
-from .devices import PRECISIONS, as_device
-from .models import HUB_IDS, ModelSource, resolve_model
-from .quant.bitsandbytes import quiet_optional_kernel_notice
-
-logger = logging.getLogger(__name__)
-
-DEMO_PROMPT = "a photo of a red cat in a garden"
-
-
-def default_home() -> Path:
-    base = (
-        os.environ.get("PIXART_LOWVRAM_HOME")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pixart_lowvram"
-    )
-    return Path(base)
-
-
-def _add_run_args(p: argparse.ArgumentParser) -> None:
-    """The options of demo and generate: each named as the node input it matches."""
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="what the image shows")
-    p.add_argument(
-        "--negative-prompt", "--negative", default="", help="what to steer away from (`--negative` before)"
-    )
-    p.add_argument(
-        "--resolution",
-        default=sampler.CUSTOM_RESOLUTION,
-        metavar="{custom,native,PRESET}",
-        help="custom: --width and --height (each the model's size when left out); native: a square of the "
-        "model's size; or a preset such as '1024: 1024×1024 (1:1)'",
-    )
-    size = f"pixels, a multiple of {contract.SIZE_MULTIPLE} in {contract.MIN_SIZE}..{contract.MAX_SIZE}"
-    p.add_argument("--width", type=int, default=None, help=f"{size} (default: the model's size)")
-    p.add_argument("--height", type=int, default=None, help=f"{size} (default: the model's size)")
-    p.add_argument("--steps", type=int, default=20, help="denoising steps")
-    p.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale")
-    p.add_argument(
-        "--scheduler", choices=schedulers.SCHEDULERS, default=schedulers.DEFAULT_SCHEDULER, help="sampler"
-    )
-    p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on any device)")
-    p.add_argument("--batch-size", type=int, default=1, help="images per prompt")
-    # `--t5-quant` and `--quant` are the names of earlier versions.
-    p.add_argument(
-        "--t5-quantization",
-        "--t5-quant",
-        choices=list(quant.TEXT_ENCODER_SCHEMES),
-        default=text_encoder.DEFAULT_QUANTIZATION,
-        help="T5's weights. " + quant.tooltip(quant.TEXT_ENCODER_SCHEMES),
-    )
-    p.add_argument(
-        "--quantization",
-        "--quant",
-        choices=list(quant.TRANSFORMER_SCHEMES),
-        default=sampler.DEFAULT_QUANTIZATION,
-        help="the transformer's weights. " + quant.tooltip(quant.TRANSFORMER_SCHEMES),
-    )
-    p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
-    p.add_argument(
-        "--tiling",
-        choices=vae.TILING,
-        default="auto",
-        help="VAE decode in tiles (auto: when short of memory)",
-    )
-    p.add_argument(
-        "--low-vram",
-        action="store_true",
-        help="stream T5 layers and transformer blocks from CPU memory and decode in tiles (< 1 GB at 1024²)",
-    )
-    p.add_argument(
-        "--fast",
-        action="store_true",
-        help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
-    )
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out"),
-        help="folder for the PNG and the memory report (made if missing)",
-    )
-    p.add_argument("--prefix", default="pixart", help="file name prefix inside --out")
-    p.add_argument("--no-snapshot", action="store_true", help="do not record the CUDA allocator history")
-    p.add_argument(
-        "--quant-cache",
-        type=Path,
-        default=None,
-        help=f"folder for pre-quantized weights (default: ${quant_cache.ENV} or {quant_cache.default_dir()})",
-    )
-    p.add_argument("--no-quant-cache", action="store_true", help="quantize on every load, save nothing")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pixart_lowvram", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log each stage and what it loads")
-    sub = parser.add_subparsers(dest="command", required=True)
-    defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
-    demo = sub.add_parser(
-        "demo",
-        help="run the pipeline offline on a random-weight model built once and cached",
-        description="The whole pipeline offline on a PixArt-Σ with random weights, built once: the image is "
-        "noise. It shows that the stages, the memory report and the files work, not image quality.",
-        **defaults,
-    )
-    demo.add_argument(
-        "--preset",
-        choices=list(random_model.PRESETS),
-        default="tiny",
-        help="tiny: seconds on a CPU; full: the published PixArt-Σ 1024 shapes (for a GPU)",
-    )
-    demo.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="where the random model is cached (default: $PIXART_LOWVRAM_HOME/random-PRESET)",
-    )
-    _add_run_args(demo)
-    cache_cmd = sub.add_parser("cache", help="show (or clear) the pre-quantized weight cache", **defaults)
-    cache_cmd.add_argument("--dir", type=Path, default=None, help="the cache folder (default: as for demo)")
-    cache_cmd.add_argument("--clear", action="store_true", help="delete every entry")
-    gen = sub.add_parser("generate", help="generate with real weights", **defaults)
-    gen.add_argument(
-        "--model", required=True, help=f"a diffusers PixArt-Σ folder or a hub id, e.g. {HUB_IDS[0]}"
-    )
-    _add_run_args(gen)
-    q = sub.add_parser(
-        "queue", help="run an API-format workflow on a running ComfyUI and download its images", **defaults
-    )
-    q.add_argument(
-        "workflow", type=Path, help="an API-format workflow (e.g. example_workflows/api/*_api.json)"
-    )
-    q.add_argument(
-        "--server", default=None, help="the ComfyUI to queue on (default: this machine's, port 8188)"
-    )
-    q.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="NODE.INPUT=VALUE",
-        help="set a node's input, typed as its current value (e.g. 2.steps=30); repeatable",
-    )
-    q.add_argument("--prompt", default=None, help="the prompt of every PixArtQ_T5Encode node")
-    q.add_argument("--seed", type=int, default=None, help="every seed input")
-    q.add_argument("--count", type=int, default=1, help="prompts to queue; each increments the seeds by one")
-    q.add_argument("--out", type=Path, default=Path("out"), help="folder for the downloaded images")
-    q.add_argument("--timeout", type=float, default=600.0, help="seconds each prompt may take")
-    return parser
-
-
-def queue_workflow(args: argparse.Namespace) -> None:
-    # Imported here: the HTTP and websocket libraries are needed by this command alone.
-    from . import client
-
-    workflow = client.apply_overrides(
-        client.load_workflow(args.workflow), args.sets, prompt=args.prompt, seed=args.seed
-    )
-    server = args.server or client.DEFAULT_SERVER
-    outcomes = client.queue(workflow, server, args.count, args.out, args.timeout)
-    for outcome in outcomes:
-        print(f"prompt {outcome.prompt_id}: {len(outcome.files)} image(s)")
-        for path in outcome.files:
-            print(f"  {path}")
-
-
-def stage_settings(args: argparse.Namespace, source: ModelSource):
-    """The three stages' settings from the command line, each checked as it is made (before any model
-    loads). Low-VRAM mode also decodes in tiles."""
-    cache_dir = None if args.no_quant_cache else args.quant_cache or quant_cache.default_dir()
-    encoding = text_encoder.EncoderSettings(
-        source,
-        quantization=args.t5_quantization,
-        device=args.device,
-        low_vram=args.low_vram,
-        quant_cache=cache_dir,
-    )
-    sampling = sampler.SamplerSettings(
-        source,
-        width=args.width,
-        height=args.height,
-        resolution=args.resolution,
-        steps=args.steps,
-        cfg=args.cfg,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        scheduler=args.scheduler,
-        quantization=args.quantization,
-        device=encoding.device,
-        precision=args.precision,
-        low_vram=args.low_vram,
-        fast=args.fast,
-        quant_cache=cache_dir,
-    )
-    decoding = vae.DecoderSettings(
-        source,
-        device=encoding.device,
-        precision=args.precision,
-        tiling="on" if args.low_vram else args.tiling,
-    )
-    return encoding, sampling, decoding
-
-
-def run(args: argparse.Namespace, model: str) -> dict:
-    """encode -> sample -> decode, each stage freeing its model; write PNG, report and snapshot."""
-    # Every setting is checked before the first model loads (the output folder and prefix in main).
-    encoding, sampling, decoding = stage_settings(args, resolve_model(model))
-    # One image per process: nothing to keep models in host memory for (the library's pool is for a
-    # process that makes many).
-    cache.host_budget = 0
-    device = encoding.device
-    report = memory.MemoryReport()
-    if not args.no_snapshot and device.type == "cuda":
-        memory.history.ensure("cli")
-    start = time.perf_counter()
-    embeds = text_encoder.encode(encoding, args.prompt, args.negative_prompt, report=report)
-    with tqdm(total=sampling.steps, desc="sampling", unit="step") as bar:
-        latents = sampler.sample(
-            sampling,
-            embeds,
-            report=report,
-            on_progress=lambda step, _total, _latents: bar.update(step - bar.n),
-        )
-    images = vae.decode(decoding, latents, report=report)
-    seconds = time.perf_counter() - start
-
-    stem = outputs.next_stem(args.out, args.prefix)
-    written = outputs.save_png(images, stem)
-    # The memory report beside the images, as Memory Snapshot writes it: table, timeline, snapshot.
-    written += timeline.write_report(report, stem.with_name(stem.name + "_memory")).files
-    print(report.markdown())
-    print(
-        f"\n{len(images)} image(s) {sampling.width}x{sampling.height} in {seconds:.2f} s on {device}; wrote:"
-    )
-    for path in written:
-        print(f"  {path}")
-    if any(path.suffix == ".pickle" for path in written):
-        print("open the .pickle (the allocator snapshot) at https://pytorch.org/memory_viz")
-    return {"images": images, "report": report, "files": written, "seconds": seconds}
-
-
-def show_cache(folder: Path, clear: bool) -> None:
-    entries = quant_cache.entries(folder)
-    print(f"pre-quantized weight cache: {folder} ({len(entries)} entries)")
-    for entry in entries:
-        print(
-            f"  {entry.name}  {memory.format_bytes(quant_cache.size(entry))}  {quant_cache.describe(entry)}"
-        )
-    if clear:
-        print(f"cleared {memory.format_bytes(quant_cache.clear(folder))}")
+# What a mistake or a failure raises; said in one line, exit status 2.
+ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    interrupts: list[int] = []
+
+    def on_interrupt(signum, _frame):
+        interrupts.append(signum)
+        raise KeyboardInterrupt
+
+    # Python's own handler, which also notes the Ctrl-C: transformers' lazy imports turn the
+    # KeyboardInterrupt into a RuntimeError ("Failed to import …"), which is an interrupt all the same.
+    # Where SIGINT is ignored (nohup, a background job) it stays ignored.
+    ours = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     )
-    quiet_optional_kernel_notice()
-    memory.prefer_expandable_segments()  # before CUDA's first allocation
+    if ours:
+        signal.signal(signal.SIGINT, on_interrupt)
     try:
-        if args.command == "queue":
-            queue_workflow(args)
-        elif args.command == "cache":
-            show_cache(args.dir or quant_cache.default_dir(), args.clear)
-        if args.command in ("demo", "generate"):
-            # Refused before any model is built or loaded; nothing is made until an image is written.
-            outputs.check_folder(args.out, "--out")
-            outputs.check_prefix(args.prefix, "--prefix")
-        if args.command == "demo":
-            folder = args.model_dir or default_home() / f"random-{args.preset}"
-            device = as_device(args.device)  # refused here, before the model is built, when it is not present
-            if not (folder / "model_index.json").is_file():
-                size = " (about 321 MB: its VAE is the full-size SDXL VAE)" if args.preset == "tiny" else ""
-                print(
-                    f"building a random {args.preset} PixArt-Σ model in {folder}{size}, once …",
-                    file=sys.stderr,
-                )
-            # The full preset is built on the GPU in bf16 (fast); the tiny one in fp32 on the CPU.
-            tiny = args.preset == "tiny"
-            random_model.ensure_random_pixart(
-                folder,
-                args.preset,
-                device="cpu" if tiny else device,
-                dtype=torch.float32 if tiny else torch.bfloat16,
-            )
-            memory.free_memory()
-            run(args, str(folder))
-            print(
-                "the weights are random, so the image is noise: this run shows that the stages, the memory "
-                "report and the files work. Real weights: python -m pixart_lowvram generate --model …"
-            )
-        elif args.command == "generate":
-            run(args, args.model)
-    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        from . import commands
+
+        commands.main(argv)
+        sys.stdout.flush()  # a closed stdout shows here, inside the handler below, not at exit
+        return 0
+    except BrokenPipeError:
+        # As Python's documentation advises (signal module, "Note on SIGPIPE"): stdout's reader is gone,
+        # so point stdout at devnull for the flush at exit, and end quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except (KeyboardInterrupt, *ERRORS) as exc:
+        if not interrupts and not isinstance(exc, KeyboardInterrupt):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        # The random model and the cache entries are staged and renamed into place, their staging
+        # removed when interrupted: nothing partial is left.
+        print("interrupted", file=sys.stderr)
+        # The interrupt goes on up with no traceback, so that Python ends the process as on any Ctrl-C:
+        # after its usual cleanup, killed by SIGINT (status 130 in a shell), which also stops a shell
+        # script's loop (a plain exit status would let the loop run on).
+        sys.excepthook = lambda *_: None
+        raise KeyboardInterrupt from None
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)

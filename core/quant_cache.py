@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TypeVar
 
+from . import folders
+
 logger = logging.getLogger(__name__)
 
 ENV = "PIXART_LOWVRAM_QUANT_CACHE"
@@ -36,14 +38,14 @@ T = TypeVar("T")
 
 # What each entry folder handed out by entry() is made from, for load_or_build to write beside the weights.
 _sources: dict[Path, dict] = {}
+# Cache folders load_or_build could not write to and has said so: once per folder and process, not once
+# per model or prompt.
+_unwritable: set[Path] = set()
 
 
 def default_dir() -> Path:
-    """``$PIXART_LOWVRAM_QUANT_CACHE``, else ``quantized/`` in the user's cache folder."""
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV])
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "pixart_lowvram" / "quantized"
+    """``$PIXART_LOWVRAM_QUANT_CACHE``, else ``quantized/`` in the pack's home folder (:func:`folders.home`)."""
+    return Path(os.environ.get(ENV) or folders.home() / "quantized")
 
 
 def _versions() -> dict[str, str]:
@@ -96,20 +98,29 @@ def load_or_build(
             logger.warning("quantized cache entry %s is unreadable (%s); rebuilding it", folder, exc)
             shutil.rmtree(folder, ignore_errors=True)
     model = build()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".partial", dir=folder.parent))
+    staging = None
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".partial", dir=folder.parent))
         save(model, staging)
         if folder in _sources:  # written before the rename, so the entry never exists without it
             record = {**_sources[folder], "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             (staging / SOURCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        if folder.exists():  # another process finished first; keep theirs
-            shutil.rmtree(staging)
-        else:
+        if not folder.exists():  # else another process finished first; keep theirs
             staging.rename(folder)
     except OSError as exc:  # a full or read-only disk must not fail the stage: the model is loaded
-        logger.warning("could not write the quantized cache entry %s: %s", folder, exc)
-        shutil.rmtree(staging, ignore_errors=True)
+        if folder.parent not in _unwritable:
+            _unwritable.add(folder.parent)
+            logger.warning(
+                "the pre-quantized weight cache %s cannot be written (%s): going on without it, "
+                "quantizing on every load. Set %s to a writable folder.",
+                folder.parent,
+                exc.strerror or exc,
+                ENV,
+            )
+    finally:  # also on Ctrl-C: no half-written entry is left behind
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return model
 
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import folders, quant_cache, sampler, text_encoder, vae
 from pixart_lowvram.core.cache import cache, default_host_budget
 from pixart_lowvram.core.models import ModelSource, resolve_model
 from pixart_lowvram.core.random_model import build_random_pixart
@@ -27,6 +27,21 @@ NEGATIVE = "dark"
 # The tiny preset's transformer has sample_size 8: 64 px is its native size.
 SIZE = 64
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pack_home(tmp_path_factory: pytest.TempPathFactory):
+    """Every folder the pack writes to of its own accord is under the session's temporary folder, for
+    the tests and for the processes they start (which inherit the environment): the pack's home (the
+    demo's random models), the pre-quantized weight cache (set too, over any the user's environment
+    names), and matplotlib's caches (the memory timeline is drawn with it; ~/.cache and ~/.config
+    otherwise). Nothing lands in the user's home: tests/test_cache_folders.py checks it."""
+    home = tmp_path_factory.mktemp("pixart_lowvram_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(folders.HOME_ENV, str(home))
+        patch.setenv(quant_cache.ENV, str(home / "quantized"))
+        patch.setenv("MPLCONFIGDIR", str(tmp_path_factory.mktemp("matplotlib")))
+        yield home
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,8 @@ def test_demo_builds_a_model_and_writes_image_and_report(tmp_path):
     if not torch.cuda.is_available():
         assert not (out / "pixart_00001_memory.pickle").exists()
     assert str(png) in proc.stdout
-    # Nothing is written to the home folder when --model-dir is given.
+    # Nothing is written to the home folder when --model-dir is given (the pre-quantized weights go to
+    # PIXART_LOWVRAM_QUANT_CACHE, which conftest.py sets).
     assert not (tmp_path / "home").exists()
 
 

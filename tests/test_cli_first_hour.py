@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import cli, devices, quant_cache, sampler, text_encoder
+from pixart_lowvram.core import cli, commands, devices, quant_cache, sampler, text_encoder
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # > 300 tokens
 
@@ -106,7 +107,7 @@ def test_a_zero_size_is_refused_like_any_other_bad_size(tiny_folder, tmp_path, l
 
 
 def test_width_and_height_default_to_the_model_size_and_resolution_is_an_option(tiny):
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     args = parser.parse_args(["generate", "--model", "m"])
     assert args.width is None and args.height is None and args.resolution == sampler.CUSTOM_RESOLUTION
     settings = sampler.SamplerSettings(tiny, device="cpu", quantization="none")
@@ -118,7 +119,7 @@ def test_width_and_height_default_to_the_model_size_and_resolution_is_an_option(
 
 
 def test_option_names_are_the_nodes_and_the_old_flags_still_work():
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     args = parser.parse_args(
         ["generate", "--model", "m", "--quantization", "qfloat8", "--t5-quantization", "fp4"]
     )
@@ -142,6 +143,33 @@ def test_generate_help_shows_the_defaults_and_every_scheme(tmp_path):
         "qfloat8: optimum-quanto float8",
     ):
         assert shown in text, shown
+
+
+def test_help_says_each_default_once_and_every_command_what_it_does(tmp_path):
+    for command in ("demo", "generate", "cache", "queue"):
+        proc = run_cli(command, "--help", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        text = " ".join(proc.stdout.split())
+        for noise in ("(default: None)", "(default: False)", "(default: )", "(default: [])"):
+            assert noise not in text, (command, noise)
+        # Each option's default once: never two "(default: …)" in one option's help.
+        assert not re.search(r"\(default: [^()]*\)[^-]*\(default:", text), command
+    cache_help = " ".join(run_cli("cache", "--help", cwd=tmp_path).stdout.split())
+    assert "Lists each entry with its size and the model it was made from" in cache_help
+    # Compared without spaces: argparse wraps long paths at their hyphens.
+    assert f"(default:{quant_cache.default_dir()})" in cache_help.replace(" ", "")
+    main_help = " ".join(run_cli("--help", cwd=tmp_path).stdout.split())
+    assert "PIXART_LOWVRAM_HOME" in main_help and quant_cache.ENV in main_help
+
+
+@pytest.mark.parametrize("prompt", ["", "   "], ids=["empty", "spaces"])
+def test_an_empty_prompt_is_said_once_and_the_image_is_made(tiny_folder, tmp_path, caplog, prompt):
+    argv = generate(tiny_folder, tmp_path, "--device", "cpu", "--no-snapshot", "--prompt", prompt)
+    with caplog.at_level(logging.WARNING):
+        assert cli.main([*argv, "--quantization", "none", "--t5-quantization", "none"]) == 0
+    said = [record.getMessage() for record in caplog.records if "prompt" in record.getMessage()]
+    assert said == ["the prompt is empty: the image follows no text; give one with --prompt"]
+    assert (tmp_path / "out" / "pixart_00001.png").is_file()
 
 
 def test_the_demo_says_what_it_builds_and_that_its_image_is_noise(tmp_path):

@@ -77,6 +77,18 @@ def test_no_partial_entries_are_left(tiny, tmp_path):
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_an_interrupted_write_leaves_no_partial_entry(tmp_path):
+    """Ctrl-C while an entry is saved: the interrupt goes on, and the half-written copy is removed."""
+
+    def save(_model, folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        quant_cache.load_or_build(tmp_path / "text_encoder-0", load=None, build=object, save=save)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unquantized_loads_do_not_touch_the_cache(tiny, tmp_path):
     encode(tiny, tmp_path, "none")
     assert quant_cache.entries(tmp_path) == []
