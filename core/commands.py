@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from . import (
     contract,
     folders,
+    lora,
     memory,
     outputs,
     quant,
@@ -120,6 +121,15 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help=f"folder for pre-quantized weights (default: {quant_cache.default_dir()})",
     )
     p.add_argument("--no-quant-cache", action="store_true", help="quantize on every load, save nothing")
+    p.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH]",
+        help="a PixArt-Σ LoRA (.safetensors) added at run time to the transformer's int8 weights, at STRENGTH "
+        "(default 1); repeatable, the LoRAs stack",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,6 +277,7 @@ def stage_settings(args: argparse.Namespace, source: ModelSource):
         low_vram=args.low_vram,
         fast=args.fast,
         quant_cache=cache_dir,
+        loras=tuple(lora.LoraSpec.parse(text) for text in args.loras),
     )
     decoding = vae.DecoderSettings(
         source,

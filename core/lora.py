@@ -67,6 +67,11 @@ class LoraSpec:
         path, sep, strength = str(text).rpartition(":")
         if sep and path and _is_number(strength):
             return cls(Path(path), float(strength))
+        if sep and path.lower().endswith(".safetensors"):
+            raise ValueError(
+                f"--lora {text!r}: the strength {strength!r} is not a number; give FILE or FILE:STRENGTH, e.g. "
+                f"{path}:0.8."
+            )
         return cls(Path(text))
 
 

@@ -177,8 +177,10 @@ def build_random_pixart(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    text_encoder: bool = True,
 ) -> Path:
-    """Write a random PixArt-Σ-architecture model to ``folder`` (atomically: built beside it, then renamed)."""
+    """Write a random PixArt-Σ-architecture model to ``folder`` (atomically: built beside it, then renamed);
+    without ``text_encoder``, only the transformer, scheduler and VAE (what sampling and decoding read)."""
     from diffusers import (
         AutoencoderKL,
         DPMSolverMultistepScheduler,
@@ -197,17 +199,22 @@ def build_random_pixart(
     vocab_size = te_config.pop("vocab_size", 160 + 100)
     tokenizer = build_tokenizer(vocab_size)
     with torch.device(device):
-        text_encoder = T5EncoderModel(
-            T5Config(vocab_size=len(tokenizer), is_encoder_decoder=False, use_cache=False, **te_config)
+        encoder = (
+            T5EncoderModel(
+                T5Config(vocab_size=len(tokenizer), is_encoder_decoder=False, use_cache=False, **te_config)
+            )
+            if text_encoder
+            else None
         )
         transformer = PixArtTransformer2DModel(**shapes["transformer"])
         vae = AutoencoderKL(**shapes["vae"])
     if dtype != torch.float32:
-        for module in (text_encoder, transformer, vae):
-            module.to(dtype)
+        for module in (encoder, transformer, vae):
+            if module is not None:
+                module.to(dtype)
     pipe = PixArtSigmaPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
+        tokenizer=tokenizer if text_encoder else None,
+        text_encoder=encoder,
         transformer=transformer,
         vae=vae,
         scheduler=DPMSolverMultistepScheduler(**SCHEDULER),

@@ -176,3 +176,21 @@ def test_sampler_with_a_lora_against_diffusers_with_it_merged(tiny, tiny_folder,
         torch.testing.assert_close(with_lora, merged, rtol=1e-4, atol=1e-4 * merged.abs().max().item())
     else:
         assert cosine(with_lora, merged) >= 0.999
+
+
+def test_generate_takes_loras_on_the_command_line(tiny_folder, tmp_path, capsys):
+    from pixart_lowvram.core import cli
+
+    path = lora_file(tiny_folder, tmp_path, scale=0.15)
+    base = ["generate", "--model", str(tiny_folder), "--steps", "2", "--device", "cpu", "--no-snapshot"]
+
+    def image(name: str, *loras: str) -> bytes:
+        assert cli.main([*base, "--out", str(tmp_path / name), "--prefix", "x", *loras]) == 0
+        return (tmp_path / name / "x_00001.png").read_bytes()
+
+    plain = image("plain")
+    assert image("zero", "--lora", f"{path}:0") == plain  # left out: the same computation
+    assert image("one", "--lora", str(path)) != plain
+    assert image("two", "--lora", f"{path}:0.5", "--lora", f"{path}:0.5") != plain
+    assert cli.main([*base, "--out", str(tmp_path / "bad"), "--lora", f"{path}:strong"]) == 2
+    assert "the strength 'strong' is not a number" in capsys.readouterr().err

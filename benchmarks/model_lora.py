@@ -1,0 +1,328 @@
+"""The pack's int8 MODEL under core's KSampler, and LoRA on the int8 transformer, beside the Quanto PixArt
+Sampler, in one process with ComfyUI as a library (the full-size architecture with random weights, 1024²,
+20 steps, cfg 4.5; later prompt = the mean of prompts 2 to N, each prompt its own seed):
+
+- ``pack sampler``: the Quanto PixArt Sampler's core (``sampler.sample``, dpmsolver++, qint8,
+  keep_loaded so the transformer stays on the GPU between prompts as ComfyUI keeps a MODEL);
+- ``pack sampler + LoRA``: the same with a rank-``--rank`` LoRA on every attention and feed-forward layer;
+- ``KSampler, pack MODEL``: core's sampling (``comfy.sample.sample``, what KSampler runs; dpmpp_2m/normal,
+  the nearest to dpmsolver++) on the PixArt-Σ int8 Model Loader's MODEL;
+- ``KSampler, pack MODEL + LoRA``: the same MODEL through core's LoRA loading
+  (``comfy.sd.load_lora_for_models``, what LoraLoaderModelOnly runs);
+- ``KSampler, core fp16 MODEL``: core's own PixArt-Σ of the same weights in fp16
+  (``comfy.sd.load_diffusion_model_state_dict``, what Load Diffusion Model runs).
+
+Fidelity: latents of ``KSampler, pack MODEL`` against ``KSampler, core fp16 MODEL`` (same sampler, seed and
+conditioning), and of ``pack sampler + LoRA`` against diffusers' pipeline on fp32 weights with the same
+LoRA merged into them (the oracle), as cosine similarities.
+
+``--dynamic-vram`` starts ComfyUI's Dynamic VRAM as its main.py does (comfy-aimdo), so the MODELs are
+``ModelPatcherDynamic``s; without it, ComfyUI's ordinary loading. The conditioning is random (T5 is not
+part of what is compared); the model folder is built when missing (transformer, scheduler and VAE only).
+
+    python benchmarks/model_lora.py --comfyui /path/to/ComfyUI --model-dir pixart-full --out DIR [--dynamic-vram]
+
+Writes model_lora[_dynamic].json and .md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import platform
+import sys
+import time
+import types
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def comfy_modules(comfyui: Path, dynamic: bool):
+    """ComfyUI's modules from the checkout, with Dynamic VRAM started as main.py starts it when asked."""
+    sys.path.insert(0, str(comfyui))
+    import comfy.cli_args
+
+    if not torch.cuda.is_available():  # a dry run of the script on a CPU machine (--preset tiny)
+        comfy.cli_args.args.cpu = True
+    if dynamic:  # comfy-aimdo starts before CUDA does, as in main.py
+        import comfy_aimdo.control
+
+        try:
+            comfy_aimdo.control.init(simple_vram_headroom=None, nvml_pressure=True)
+        except TypeError:
+            comfy_aimdo.control.init()
+    import comfy.model_management
+    import comfy.model_patcher
+
+    if dynamic:
+        import comfy.memory_management
+
+        devices = comfy.model_management.get_all_torch_devices()
+        headroom = int(comfy.cli_args.args.vram_headroom * GIB)
+        try:
+            ready = comfy_aimdo.control.init_devices((d.index, headroom) for d in devices)
+        except TypeError:
+            ready = comfy_aimdo.control.init_devices(d.index for d in devices)
+        if not ready:
+            raise SystemExit("comfy-aimdo did not start: no Dynamic VRAM here")
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+    import comfy.sample
+    import comfy.sd
+    import comfy.utils
+
+    # The pack's MODEL module, without the node registry beside it (which imports ComfyUI's server API).
+    nodes = types.ModuleType("pixart_lowvram.nodes")
+    nodes.__path__ = [str(REPO / "nodes")]
+    sys.modules["pixart_lowvram.nodes"] = nodes
+    return comfy, importlib.import_module("pixart_lowvram.nodes.int8_model")
+
+
+def random_embeds(seed: int, width: int):
+    from pixart_lowvram.core.contract import PixArtEmbeds
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randn(1, 300, width, generator=g) * 0.2
+    mask = torch.zeros(1, 300, dtype=torch.long)
+    mask[:, :24] = 1
+    negative = torch.randn(1, 300, width, generator=g) * 0.2
+    negative_mask = torch.zeros(1, 300, dtype=torch.long)
+    negative_mask[:, :1] = 1
+    return PixArtEmbeds(prompt, mask, negative, negative_mask, "random", "none", torch.float16)
+
+
+def measure(name: str, run, prompts: int) -> dict:
+    """Run ``run(i)`` for prompts 0..N-1: seconds and peak allocated of each, its last output kept."""
+    seconds, peaks, out = [], [], None
+    cuda = torch.cuda.is_available()
+    for i in range(prompts):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = run(i)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
+    later = seconds[1:] or seconds
+    row = {
+        "name": name,
+        "seconds": seconds,
+        "later": sum(later) / len(later),
+        "peak_gib": max(peaks) / GIB,
+        "later_peak_gib": max(peaks[1:] or peaks) / GIB,
+    }
+    print(f"{name}: later {row['later']:.3f} s, peak {row['later_peak_gib']:.2f} GiB", flush=True)
+    return row | {"latents": out}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double().cpu(), b.flatten().double().cpu(), dim=0).item()
+
+
+def merged_oracle(model_dir: Path, lora_path: Path, embeds, settings, seed: int) -> torch.Tensor:
+    """diffusers' pipeline on the fp32 transformer with the LoRA merged into its weights."""
+    from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
+    from safetensors.torch import load_file
+
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.random_model import LORA_FORMATS
+
+    transformer = PixArtTransformer2DModel.from_pretrained(model_dir / "transformer", dtype=torch.float32)
+    state = load_file(lora_path)
+    prefix, up, down, _alpha = LORA_FORMATS["peft"]
+    with torch.no_grad():
+        for name, module in transformer.named_modules():
+            if prefix + name + up in state:
+                module.weight += state[prefix + name + up].float() @ state[prefix + name + down].float()
+    pipe = PixArtSigmaPipeline.from_pretrained(
+        model_dir, transformer=transformer, text_encoder=None, tokenizer=None, vae=None
+    ).to(settings.device)
+    pipe.set_progress_bar_config(disable=True)
+    latents = pipe(
+        negative_prompt=None,
+        prompt_embeds=embeds.prompt_embeds.to(settings.device, torch.float32),
+        prompt_attention_mask=embeds.prompt_mask.to(settings.device),
+        negative_prompt_embeds=embeds.negative_embeds.to(settings.device, torch.float32),
+        negative_prompt_attention_mask=embeds.negative_mask.to(settings.device),
+        generator=torch.Generator("cpu").manual_seed(seed),
+        width=settings.width,
+        height=settings.height,
+        num_inference_steps=settings.steps,
+        guidance_scale=settings.cfg,
+        use_resolution_binning=False,
+        output_type="latent",
+    ).images
+    del pipe, transformer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return latents.float().cpu() / sampler.scaling_factor(settings.model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comfyui", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dynamic-vram", action="store_true")
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
+    args = parser.parse_args()
+
+    comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    from pixart_lowvram.core import conditioning, lora, sampler
+    from pixart_lowvram.core.models import resolve_model
+    from pixart_lowvram.core.random_model import build_random_pixart, save_random_lora
+
+    if not (args.model_dir / "model_index.json").is_file():
+        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    work = args.out / "work"
+    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
+    source = resolve_model(str(args.model_dir), [])
+    settings = sampler.SamplerSettings(
+        source,
+        width=args.size,
+        height=args.size,
+        steps=args.steps,
+        cfg=4.5,
+        quantization="qint8",
+        device=device,
+        keep_loaded=True,
+        quant_cache=work / "quantized",
+    )
+    embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts)]
+    seed = lambda i: 1000 + i  # noqa: E731
+    rows = []
+
+    with_lora = dataclasses.replace(settings, loras=(lora.LoraSpec(lora_path, 1.0),))
+    sampler.quantized_transformer(settings)  # the pre-quantized cache, written once: not timed
+    rows.append(
+        measure(
+            "pack sampler",
+            lambda i: sampler.sample(dataclasses.replace(settings, seed=seed(i)), embeds[i]),
+            args.prompts,
+        )
+    )
+    rows.append(
+        measure(
+            "pack sampler + LoRA",
+            lambda i: sampler.sample(dataclasses.replace(with_lora, seed=seed(i)), embeds[i]),
+            args.prompts,
+        )
+    )
+    from pixart_lowvram.core.cache import free_all
+
+    free_all()
+
+    def ksampler(model):
+        latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
+
+        def run(i):
+            positive, negative = conditioning.core_conditioning(embeds[i])
+            noise = comfy.sample.prepare_noise(latent, seed(i))
+            return comfy.sample.sample(
+                model,
+                noise,
+                args.steps,
+                4.5,
+                "dpmpp_2m",
+                "normal",
+                positive,
+                negative,
+                latent,
+                denoise=1.0,
+                seed=seed(i),
+            )
+
+        return run
+
+    pack_model = int8_model.load(settings)
+    kind = type(pack_model).__name__
+    rows.append(measure("KSampler, pack MODEL", ksampler(pack_model), args.prompts))
+    lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
+    pack_lora, _ = comfy.sd.load_lora_for_models(pack_model, None, lora_state, 1.0, 0)
+    rows.append(measure("KSampler, pack MODEL + LoRA", ksampler(pack_lora), args.prompts))
+    del pack_lora, pack_model
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+
+    from safetensors.torch import load_file
+
+    fp16_state = load_file(args.model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    core_model = comfy.sd.load_diffusion_model_state_dict(fp16_state)
+    rows.append(measure("KSampler, core fp16 MODEL", ksampler(core_model), args.prompts))
+    del core_model
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+
+    last = args.prompts - 1
+    oracle = merged_oracle(
+        args.model_dir, lora_path, embeds[last], dataclasses.replace(settings, seed=seed(last)), seed(last)
+    )
+    by = {row["name"]: row for row in rows}
+    fidelity = {
+        "KSampler pack MODEL vs core fp16 MODEL": cosine(
+            by["KSampler, pack MODEL"]["latents"], by["KSampler, core fp16 MODEL"]["latents"]
+        ),
+        "pack sampler + LoRA vs diffusers fp32 merged": cosine(by["pack sampler + LoRA"]["latents"], oracle),
+        "pack sampler with vs without LoRA": cosine(
+            by["pack sampler + LoRA"]["latents"], by["pack sampler"]["latents"]
+        ),
+        "KSampler pack MODEL with vs without LoRA": cosine(
+            by["KSampler, pack MODEL + LoRA"]["latents"], by["KSampler, pack MODEL"]["latents"]
+        ),
+    }
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "comfyui": (args.comfyui / "comfyui_version.py").read_text().split('"')[1]
+        if (args.comfyui / "comfyui_version.py").is_file()
+        else str(args.comfyui),
+        "patcher": kind,
+        "dynamic_vram": args.dynamic_vram,
+        "size": args.size,
+        "steps": args.steps,
+        "rank": args.rank,
+        "rows": [{k: v for k, v in row.items() if k != "latents"} for row in rows],
+        "fidelity": fidelity,
+    }
+    suffix = "_dynamic" if args.dynamic_vram else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"model_lora{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    base = by["pack sampler"]
+    lines = [
+        f"# The pack's MODEL and LoRA ({result['date']}, {result['device']}, ComfyUI {result['comfyui']}, "
+        f"{kind}, {args.size}², {args.steps} steps, rank-{args.rank} LoRA)",
+        "",
+        "| configuration | later prompt | × pack sampler | peak allocated | × pack sampler |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['name']} | {row['later']:.3f} s | {row['later'] / base['later']:.2f} | "
+            f"{row['later_peak_gib']:.2f} GiB | {row['later_peak_gib'] / max(base['later_peak_gib'], 1e-9):.2f} |"
+        )
+    lines += ["", "| latents compared | cosine |", "| --- | --- |"]
+    lines += [f"| {name} | {value:.6f} |" for name, value in fidelity.items()]
+    (args.out / f"model_lora{suffix}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
