@@ -186,7 +186,7 @@ def test_our_sampler_loads_the_single_file(core_server):
         assert run.status == "success", run.error
     folder, file = latent_of(core_server, "folder"), latent_of(core_server, "file")
     assert folder.shape == (1, 4, SIZE // 8, SIZE // 8)
-    assert torch.equal(folder, file)
+    assert torch.equal(folder, file)  # exact: the same weights bit for bit, so the same computation
 
 
 def test_a_pickle_in_diffusion_models_is_not_offered(core_server):

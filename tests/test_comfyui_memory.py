@@ -145,7 +145,7 @@ def test_pack_vae_decode_from_the_single_file_equals_the_model_folder(server):
     (folder,) = saved_images(server, run, save)
     (single,) = saved_images(server, run, "file_save")
     assert folder.std() > 10
-    np.testing.assert_array_equal(single, folder)
+    np.testing.assert_array_equal(single, folder)  # exact: the same weights bit for bit, the same decode
 
 
 def test_pack_vae_decode_refuses_a_pickled_vae_file(server):
@@ -488,7 +488,7 @@ def test_quantized_weights_survive_offload_and_reload(comfy_mm):
     again = use("quantized")
     assert again is model and model[0].weight.quant_state is state
     assert type(model[1][0].weight).__name__ == "WeightQBytesTensor"
-    with torch.inference_mode():
+    with torch.inference_mode():  # exact: the same tensors back (CPU only here), the same kernels
         assert torch.equal(again(x), expected)
 
 

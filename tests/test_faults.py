@@ -48,6 +48,7 @@ def run(stage: str, source, reference, report=None, **options):
 
 
 def same_as_reference(stage: str, result, reference) -> bool:
+    """Bit for bit: ``run`` repeats the reference fixture's settings, the same kernels on the same data."""
     if stage == "text_encoder":
         return torch.equal(result.prompt_embeds, reference.embeds.prompt_embeds)
     return torch.equal(result, reference.latents if stage == "transformer" else reference.images)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from tolerances import assert_close
 
 from pixart_lowvram.core import memory, sampler, text_encoder, vae
 from pixart_lowvram.core.cache import cache
@@ -308,7 +309,7 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
             assert torch.cuda.memory_allocated(cuda) - before >= scheme.dense_bytes(plain_model) > 0
             dense = run("plain").cpu()  # on the CPU: the latents' own block is not the weights'
         assert torch.cuda.memory_allocated(cuda) == before
-    assert torch.equal(dense, plain.cpu())
+    assert torch.equal(dense, plain.cpu())  # exact: the same expansion and products on the same values
     assert _cosine(plain, by_quanto) > (0.999 if quantization == "qfloat8" else 0.9999)
 
 
@@ -371,8 +372,10 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
 
 def test_the_decoder_in_strips_keeps_the_image_and_saves_memory_at_1024(tiny, cuda, monkeypatch):
     """The SDXL VAE (the tiny model's is full size) decoding 1024² in bf16: its convolutions in strips give
-    the image of whole convolutions bit for bit, with cuDNN's channels-last copies of the widest
-    activations (1 GiB at 256 channels and full resolution) gone from the peak."""
+    the image of whole convolutions (bit for bit as measured on an H200; another kernel
+    for a strip's height may round otherwise, so bounded as two computations of one bf16 network,
+    tests/tolerances.py), with cuDNN's channels-last copies of the widest activations (1 GiB at 256
+    channels and full resolution) gone from the peak."""
     model = vae._load(vae.DecoderSettings(tiny, device=cuda, tiling="off"))
     latents = torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(5))
     latents = latents.to(cuda, torch.bfloat16)
@@ -392,5 +395,5 @@ def test_the_decoder_in_strips_keeps_the_image_and_saves_memory_at_1024(tiny, cu
     del model, latents
     gc.collect()
     torch.cuda.empty_cache()
-    assert torch.equal(strips, whole)
+    assert_close(strips, whole, network=True)
     assert strips_peak < whole_peak - 2**30 // 2, (strips_peak / 2**30, whole_peak / 2**30)

@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from tolerances import assert_close
 
 from pixart_lowvram.core import estimates, sampler, streaming, text_encoder
 
@@ -47,8 +48,10 @@ def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, bl
     streamed = text_encoder.encode(
         text_encoder.EncoderSettings(tiny, low_vram=True, **options), reference.prompt, reference.negative
     )
-    torch.testing.assert_close(streamed.prompt_embeds, plain.prompt_embeds, rtol=0, atol=0)
-    torch.testing.assert_close(streamed.negative_embeds, plain.negative_embeds, rtol=0, atol=0)
+    # Streamed and resident blocks: two placements of one network (on a GPU the blocks run on copies),
+    # bounded as such (tests/tolerances.py); bit for bit on this CPU, where the copies are no-ops.
+    assert_close(streamed.prompt_embeds, plain.prompt_embeds, network=True)
+    assert_close(streamed.negative_embeds, plain.negative_embeds, network=True)
     layers = tiny.config("text_encoder")["num_layers"]
     # prompt and negative: two passes, each block alone on the device while it runs
     assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(layers)] * 2
@@ -62,7 +65,7 @@ def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantizati
     streamed = sampler.sample(
         sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options), reference.embeds
     )
-    torch.testing.assert_close(streamed, plain, rtol=0, atol=0)
+    assert_close(streamed, plain, network=True)  # streamed against resident, as for T5 above
     blocks = tiny.config("transformer")["num_layers"]
     assert [(index, loaded) for _, index, loaded in block_log] == [(i, [i]) for i in range(blocks)] * 2
 
@@ -73,6 +76,7 @@ def test_a_transformer_that_fits_the_budget_is_not_streamed(tiny, reference, blo
     options = {"device": "cpu", "precision": torch.float32, "quantization": "qint8"}
     plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
     low = sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options)
+    # Exact: not streamed, low_vram leaves the run as it is (the same model placement and kernels).
     torch.testing.assert_close(sampler.sample(low, reference.embeds), plain, rtol=0, atol=0)
     assert block_log == []  # no streamer was made
     megapixel = 1024 * 1024

@@ -113,6 +113,8 @@ def folder_embeds(weights):
 
 
 def assert_same(got, want):
+    """Bit for bit: every file holds the folder's weights exactly (t5_state), loaded into the same model, so
+    the same kernels run on the same data."""
     for name in ("prompt_embeds", "prompt_mask", "negative_embeds", "negative_mask"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
