@@ -35,6 +35,8 @@ NODE_IDS = (
     "PixArtQ_VAEDecode",
     "PixArtQ_FreeVRAM",
     "PixArtQ_MemorySnapshot",
+    "PixArtQ_ModelLoader",
+    "PixArtQ_LoRA",
 )
 MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"

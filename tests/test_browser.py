@@ -18,7 +18,9 @@ import time
 import pytest
 import requests
 from comfyui_support import HTTP_TIMEOUT, MODEL, PROMPT_TIMEOUT, SIZE, STEPS, ComfyServer, running_server
-from test_workflows import UI_FILES, VIRTUAL, ids, read
+from test_workflows import UI_FILES, VIRTUAL, ids, read, widgets_of
+
+from pixart_lowvram.core.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 
@@ -53,21 +55,30 @@ STATE = """async () => {
     .map(n => [n.id, n.size, n.computeSize()]);
   return {graph, prompt, dialogs, broken, cramped};
 }"""
-# Put the loaded graph on the tiny model at its native size, few steps, through the widgets.
-TINY = """([model, size, steps]) => {
+# Put the loaded graph on the tiny model at its native size (an Empty Latent Image for core's KSampler:
+# latent_size), few steps, through the widgets.
+TINY = """([model, size, steps, latentSize]) => {
   const set = {model, width: size, height: size, steps};
   for (const node of app.graph.nodes) {
+    const sized = node.type === 'EmptyLatentImage' ? {width: latentSize, height: latentSize} : {};
     for (const widget of node.widgets || []) {
-      if (widget.name in set) widget.value = set[widget.name];
+      if (widget.name in sized) widget.value = sized[widget.name];
+      else if (widget.name in set) widget.value = set[widget.name];
     }
   }
 }"""
+# ComfyUI's PixArt divides by zero below about 320 px (tests/test_comfyui_model.py): core's KSampler runs
+# the tiny model at this size.
+KSAMPLER_SIZE = 320
 
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory, tiny_folder, sdxl_vae_file):
-    """This module's server also has the tiny model's VAE as models/vae/sdxl_vae.safetensors."""
+    """This module's server also has the tiny model's VAE as models/vae/sdxl_vae.safetensors, and a random
+    LoRA of the tiny model in models/loras under the name the LoRA + KSampler workflow picks."""
     base = tmp_path_factory.mktemp("comfyui")
+    (lora,) = widgets_of("lora_ksampler", "LoraLoaderModelOnly")
+    save_random_lora(tiny_folder, base / "models" / "loras" / lora["lora_name"], scale=0.15)
     with running_server(request, base, tiny_folder, sdxl_vae_file=sdxl_vae_file) as started:
         yield started
 
@@ -153,7 +164,7 @@ def test_dropped_workflow_runs_when_queued_from_the_page(page, server, path):
     prompt runs to the end and its images are in the history."""
     workflow = read(path)
     drop(page, path.name, workflow)
-    page.evaluate(TINY, [MODEL, SIZE, STEPS])
+    page.evaluate(TINY, [MODEL, SIZE, STEPS, KSAMPLER_SIZE])
     before = set(server.get("/history"))
     page.evaluate("() => app.queuePrompt(0, 1)")
     entry = wait_for_new_entry(server, before)

@@ -3,8 +3,9 @@ server's /object_info, every API file run through the client (``python -m pixart
 the tiny model, and what lets several servers share the work: no state across prompts that changes
 results, no fixed output paths, models named under the standard folders, two servers at once.
 
-The module's server has the tiny model in models/diffusers and its VAE as ``sdxl_vae.safetensors`` in
-models/vae (for the with-core-nodes workflow). Needs COMFYUI_PATH; COMFYUI_PYTHON names its interpreter.
+The module's server has the tiny model in models/diffusers, its VAE as ``sdxl_vae.safetensors`` in
+models/vae (for the with-core-nodes workflow) and a random LoRA of it in models/loras under the name the
+LoRA + KSampler workflow picks. Needs COMFYUI_PATH; COMFYUI_PYTHON names its interpreter.
 """
 
 from __future__ import annotations
@@ -44,17 +45,27 @@ from test_workflows import (
     api_file,
     ids,
     read,
+    widgets_of,
 )
+
+from pixart_lowvram.core.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+# ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
+# (a division by zero): a workflow through core's KSampler runs the tiny model at this size (its Empty
+# Latent Image), not the native SIZE.
+KSAMPLER_SIZE = 320
 
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory, tiny_folder, sdxl_vae_file):
-    """This module's server also has the tiny model's VAE as models/vae/sdxl_vae.safetensors."""
+    """This module's server also has the tiny model's VAE as models/vae/sdxl_vae.safetensors, and a random
+    LoRA of the tiny model in models/loras under the name the LoRA + KSampler workflow picks."""
     base = tmp_path_factory.mktemp("comfyui")
+    (lora,) = widgets_of("lora_ksampler", "LoraLoaderModelOnly")
+    save_random_lora(tiny_folder, base / "models" / "loras" / lora["lora_name"], scale=0.15)
     with running_server(request, base, tiny_folder, sdxl_vae_file=sdxl_vae_file) as started:
         yield started
 
@@ -172,14 +183,25 @@ def test_ui_workflow_matches_object_info(server, path):
 
 
 def tiny_sets(path: Path, model: str = MODEL) -> list[str]:
-    """--set arguments that put a bundled API workflow on the tiny model at its native size, few steps."""
+    """--set arguments that put a bundled API workflow on the tiny model at its native size (core's
+    KSampler: KSAMPLER_SIZE), few steps."""
     sets = []
     for key, entry in read(path).items():
-        if "model" in entry["inputs"]:
+        if isinstance(entry["inputs"].get("model"), str):  # not a link to a MODEL
             sets.append(f"--set={key}.model={model}")
         if entry["class_type"] == "PixArtQ_Sampler":
             sets += [f"--set={key}.width={SIZE}", f"--set={key}.height={SIZE}", f"--set={key}.steps={STEPS}"]
+        if entry["class_type"] == "EmptyLatentImage":
+            sets += [f"--set={key}.width={KSAMPLER_SIZE}", f"--set={key}.height={KSAMPLER_SIZE}"]
+        if entry["class_type"] == "KSampler":
+            sets.append(f"--set={key}.steps={STEPS}")
     return sets
+
+
+def tiny_size(path: Path) -> int:
+    """The image size of a bundled API workflow set by tiny_sets."""
+    kinds = {entry["class_type"] for entry in read(path).values()}
+    return KSAMPLER_SIZE if "EmptyLatentImage" in kinds else SIZE
 
 
 def queue_args(server: ComfyServer, path: Path, out: Path, *args: str) -> list[str]:
@@ -236,7 +258,7 @@ def test_api_workflow_runs_through_the_client(server, path, tmp_path):
     saves = [key for key, entry in api.items() if entry["class_type"] == "SaveImage"]
     assert len(files) == len(saves) == 1
     with Image.open(files[0]) as image:
-        assert image.size == (SIZE, SIZE)
+        assert image.size == (tiny_size(path),) * 2
     prefix = api[saves[0]]["inputs"]["filename_prefix"]
     assert files[0].name.startswith(prefix + "_")
 
@@ -402,7 +424,7 @@ def debug_server(request, tmp_path_factory, tiny_folder):
 
 
 def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
-    """ComfyUI's templates browser shows the four UI workflows of example_workflows/ (not the API files in
+    """ComfyUI's templates browser shows the UI workflows of example_workflows/ (not the API files in
     example_workflows/api/, which open as an empty graph there), serves each one and its thumbnail at the
     URLs the frontend asks for, and finds the folder under the name it prefers."""
     server = debug_server

@@ -50,10 +50,15 @@ WIDGETS = {
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix",),
+    "PixArtQ_ModelLoader": ("model", "quantization", "transformer_file"),
+    "PixArtQ_LoRA": ("lora_name", "strength"),
     "SaveImage": ("filename_prefix",),
     "PreviewImage": (),
     "VAELoader": ("vae_name",),
     "VAEDecode": (),
+    "LoraLoaderModelOnly": ("lora_name", "strength_model"),
+    "EmptyLatentImage": ("width", "height", "batch_size"),
+    "KSampler": ("seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"),
 }
 # Each node type's sockets: inputs (name, type, optional) and outputs (name, type). ANY is a pass-through
 # socket (ComfyUI's "*"): it takes any type, and the node's ANY output has the type linked to its input.
@@ -64,16 +69,29 @@ SOCKETS = {
         [("embeds", "PIXART_EMBEDS"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")],
     ),
     "PixArtQ_Sampler": (
-        [("embeds", "PIXART_EMBEDS", False), ("latent", "LATENT", True)],
+        [("embeds", "PIXART_EMBEDS", False), ("latent", "LATENT", True), ("loras", "PIXART_LORAS", True)],
         [("LATENT", "LATENT")],
     ),
     "PixArtQ_VAEDecode": ([("latent", "LATENT", False)], [("IMAGE", "IMAGE")]),
     "PixArtQ_FreeVRAM": ([("value", ANY, False)], [("value", ANY)]),
     "PixArtQ_MemorySnapshot": ([("value", ANY, False)], [("value", ANY), ("timeline", "IMAGE")]),
+    "PixArtQ_ModelLoader": ([], [("MODEL", "MODEL")]),
+    "PixArtQ_LoRA": ([("loras", "PIXART_LORAS", True)], [("PIXART_LORAS", "PIXART_LORAS")]),
     "SaveImage": ([("images", "IMAGE", False)], []),
     "PreviewImage": ([("images", "IMAGE", False)], []),
     "VAELoader": ([], [("VAE", "VAE")]),
     "VAEDecode": ([("samples", "LATENT", False), ("vae", "VAE", False)], [("IMAGE", "IMAGE")]),
+    "LoraLoaderModelOnly": ([("model", "MODEL", False)], [("MODEL", "MODEL")]),
+    "EmptyLatentImage": ([], [("LATENT", "LATENT")]),
+    "KSampler": (
+        [
+            ("model", "MODEL", False),
+            ("positive", "CONDITIONING", False),
+            ("negative", "CONDITIONING", False),
+            ("latent_image", "LATENT", False),
+        ],
+        [("LATENT", "LATENT")],
+    ),
 }
 # The order of every input (sockets and widgets) in /object_info's input_order: the API format's order.
 INPUT_ORDER = {
@@ -84,23 +102,36 @@ INPUT_ORDER = {
         *WIDGETS["PixArtQ_Sampler"][1:9],
         "latent",
         *WIDGETS["PixArtQ_Sampler"][9:],
+        "loras",
     ),
     "PixArtQ_VAEDecode": ("model", "latent", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": ("value",),
     "PixArtQ_MemorySnapshot": ("value", "filename_prefix"),
+    "PixArtQ_ModelLoader": WIDGETS["PixArtQ_ModelLoader"],
+    "PixArtQ_LoRA": ("lora_name", "strength", "loras"),
     "SaveImage": ("images", "filename_prefix"),
     "PreviewImage": ("images",),
     "VAELoader": ("vae_name",),
     "VAEDecode": ("samples", "vae"),
+    "LoraLoaderModelOnly": ("model", "lora_name", "strength_model"),
+    "EmptyLatentImage": WIDGETS["EmptyLatentImage"],
+    "KSampler": (
+        "model",
+        *WIDGETS["KSampler"][:5],
+        "positive",
+        "negative",
+        "latent_image",
+        WIDGETS["KSampler"][5],
+    ),
 }
 # Frontend-only nodes: drawn on the canvas, left out of the API format.
 VIRTUAL = {"MarkdownNote": ("text",), "Note": ("text",)}
 # Inputs that name a model file or folder: a name under one of ComfyUI's model folders, never a path.
-MODEL_INPUTS = {"model", "t5_file", "transformer_file", "vae_file", "vae_name"}
+MODEL_INPUTS = {"model", "t5_file", "transformer_file", "vae_file", "vae_name", "lora_name"}
 # The frontend draws optional inputs with this shape (a hollow circle); only they may be left unlinked.
 OPTIONAL_SHAPE = 7
 # Widgets the frontend follows with a "control after generate" value of its own.
-CONTROLLED = {("PixArtQ_Sampler", "seed")}
+CONTROLLED = {("PixArtQ_Sampler", "seed"), ("KSampler", "seed")}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: the title bar is drawn above a node's pos
 
@@ -119,7 +150,7 @@ API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 API_FILES = sorted(API_DIR.glob("*.json"))
 PAIRS = [(path, API_DIR / (path.stem + "_api.json")) for path in UI_FILES]
-NAMES = ("basic", "low_vram", "memory_debug", "with_core_nodes")
+NAMES = ("basic", "lora_ksampler", "low_vram", "memory_debug", "with_core_nodes")
 
 
 def api_file(name: str) -> Path:
@@ -166,7 +197,7 @@ def api_widgets(entry: dict) -> dict[str, object]:
 
 
 def test_the_bundled_workflows_are_all_there():
-    """Four workflows, each as a UI file, an API file and a thumbnail; nothing else in the folder, which
+    """The workflows of NAMES, each as a UI file, an API file and a thumbnail; nothing else in the folder, which
     ComfyUI serves as it is (tools/make_thumbnails.py draws the thumbnails)."""
     assert ids(UI_FILES) == [f"pixart_lowvram_{name}" for name in NAMES]
     assert ids(API_FILES) == [f"pixart_lowvram_{name}_api" for name in NAMES]
@@ -372,13 +403,18 @@ def widgets_of(name: str, class_type: str) -> list[dict]:
 
 def test_every_workflow_makes_a_1024_image_in_20_steps():
     for name in NAMES:
-        (sampler,) = widgets_of(name, "PixArtQ_Sampler")
+        if widgets_of(name, "KSampler"):  # core's KSampler on an Empty Latent Image
+            (sampler,) = widgets_of(name, "KSampler")
+            (latent,) = widgets_of(name, "EmptyLatentImage")
+            sampler = {**latent, **sampler, "resolution": "custom"}
+        else:
+            (sampler,) = widgets_of(name, "PixArtQ_Sampler")
         assert (sampler["width"], sampler["height"], sampler["steps"], sampler["batch_size"]) == (
             1024,
             1024,
             20,
             1,
-        )
+        ), name
         assert sampler["resolution"] == "custom" and math.isclose(sampler["denoise"], 1.0)
         models = {
             w["model"]
@@ -398,7 +434,7 @@ def test_low_vram_workflow_uses_the_smallest_settings():
     assert encoder["quantization"] == "nf4" and sampler["quantization"] == "qint8"
     assert decode["tiling"] == "on"
     assert not any(w["keep_loaded"] for w in (encoder, sampler, decode))
-    for name in ("basic", "memory_debug", "with_core_nodes"):
+    for name in ("basic", "lora_ksampler", "memory_debug", "with_core_nodes"):
         assert all(
             w["low_vram"] is False
             for kind in ("PixArtQ_T5Encode", "PixArtQ_Sampler")
@@ -454,3 +490,24 @@ def test_with_core_nodes_workflow_decodes_the_latent_with_core_nodes():
     assert decode == {"samples": [by_type["PixArtQ_Sampler"], 0], "vae": [by_type["VAELoader"], 0]}
     for output in ("SaveImage", "PreviewImage"):
         assert api[by_type[output]]["inputs"]["images"] == [by_type["VAEDecode"], 0]
+
+
+def test_lora_ksampler_workflow_runs_the_packs_model_through_core_lora_and_ksampler():
+    api = read(api_file("lora_ksampler"))
+    by_type = {entry["class_type"]: key for key, entry in api.items()}
+    assert len(by_type) == len(api) and chain(api) == [
+        "PixArtQ_ModelLoader",
+        "LoraLoaderModelOnly",
+        "KSampler",
+        "PixArtQ_VAEDecode",
+        "SaveImage",
+    ]
+    loader = api[by_type["PixArtQ_ModelLoader"]]["inputs"]
+    assert loader["quantization"] == "qint8" and loader["transformer_file"] == "(from model)"
+    lora = api[by_type["LoraLoaderModelOnly"]]["inputs"]
+    assert lora["lora_name"].endswith(".safetensors") and math.isclose(lora["strength_model"], 1.0)
+    sampler = api[by_type["KSampler"]]["inputs"]
+    encoder = by_type["PixArtQ_T5Encode"]
+    assert (sampler["positive"], sampler["negative"]) == ([encoder, 1], [encoder, 2])
+    assert sampler["latent_image"] == [by_type["EmptyLatentImage"], 0]
+    assert (sampler["sampler_name"], sampler["scheduler"], sampler["cfg"]) == ("dpmpp_2m", "normal", 4.5)

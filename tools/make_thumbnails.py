@@ -34,10 +34,13 @@ LINK_COLOURS = {
     "IMAGE": (100, 181, 246),
     "VAE": (255, 105, 105),
     "PIXART_EMBEDS": (255, 214, 0),
+    "MODEL": (179, 157, 219),
+    "CONDITIONING": (255, 169, 49),
 }
 OTHER_LINK = (160, 160, 160)
 CAPTION = {
     "pixart_lowvram_basic": "basic",
+    "pixart_lowvram_lora_ksampler": "LoRA + core KSampler",
     "pixart_lowvram_low_vram": "low VRAM",
     "pixart_lowvram_memory_debug": "memory debug",
     "pixart_lowvram_with_core_nodes": "with core nodes",
@@ -48,10 +51,15 @@ DISPLAY_NAMES = {
     "PixArtQ_VAEDecode": "VAE Decode (PixArt-Σ)",
     "PixArtQ_FreeVRAM": "Free VRAM",
     "PixArtQ_MemorySnapshot": "Memory Snapshot",
+    "PixArtQ_ModelLoader": "PixArt-Σ int8 Model Loader",
+    "PixArtQ_LoRA": "PixArt-Σ LoRA",
     "SaveImage": "Save Image",
     "PreviewImage": "Preview Image",
     "VAELoader": "Load VAE",
     "VAEDecode": "VAE Decode",
+    "LoraLoaderModelOnly": "Load LoRA",
+    "EmptyLatentImage": "Empty Latent Image",
+    "KSampler": "KSampler",
 }
 
 
@@ -94,6 +102,14 @@ def settings(node: dict) -> str:
         return f"tiling {values[2]}"
     if kind == "VAELoader" and values:
         return str(values[0])
+    if kind == "PixArtQ_ModelLoader" and len(values) >= 2:
+        return str(values[1])
+    if kind in ("LoraLoaderModelOnly", "PixArtQ_LoRA") and len(values) >= 2:
+        return f"strength {values[1]} · {values[0]}"
+    if kind == "EmptyLatentImage" and len(values) >= 2:
+        return f"{values[0]}×{values[1]}"
+    if kind == "KSampler" and len(values) >= 6:
+        return f"{values[4]} · {values[5]} · {values[2]} steps"
     return ""
 
 
