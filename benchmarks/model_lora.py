@@ -224,11 +224,18 @@ def main() -> None:
             args.prompts,
         )
     )
+    rows.append(
+        measure(
+            "pack sampler, cfg 1",
+            lambda i: sampler.sample(dataclasses.replace(settings, seed=seed(i), cfg=1.0), embeds[i]),
+            args.prompts,
+        )
+    )
     from pixart_lowvram.core.cache import free_all
 
     free_all()
 
-    def ksampler(model):
+    def ksampler(model, cfg=4.5):
         latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
 
         def run(i):
@@ -253,6 +260,9 @@ def main() -> None:
     pack_model = int8_model.load(settings)
     kind = type(pack_model).__name__
     rows.append(measure("KSampler, pack MODEL", ksampler(pack_model), args.prompts))
+    # cfg 1: one pass a step. ComfyUI's PixArt runs the prompt and the negative as two passes when their token
+    # counts differ (they cannot be concatenated), where the pack's sampler runs them as one batch of two.
+    rows.append(measure("KSampler, pack MODEL, cfg 1", ksampler(pack_model, 1.0), args.prompts))
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
     pack_lora, _ = comfy.sd.load_lora_for_models(pack_model, None, lora_state, 1.0, 0)
     rows.append(measure("KSampler, pack MODEL + LoRA", ksampler(pack_lora), args.prompts))

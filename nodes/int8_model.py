@@ -59,7 +59,7 @@ def _load_scaled(layer, state_dict, prefix, missing_keys, unexpected_keys, dtype
     layer.weight = weight
     layer.weight_scale = scale.to(dtype)
     bias = state_dict.get(prefix + "bias")
-    if layer.bias is not None:
+    if layer.has_bias:
         if bias is None:
             missing_keys.append(prefix + "bias")
         else:
@@ -72,6 +72,14 @@ def _load_scaled(layer, state_dict, prefix, missing_keys, unexpected_keys, dtype
     )
 
 
+def _unset(layer, bias: bool) -> None:
+    """Leave the layer's tensors unset until its weights are loaded: ComfyUI records each tensor's dtype as it
+    builds a model (Dynamic VRAM casts to that dtype when it loads), and a placeholder's dtype would be a
+    guess — int8 for a layer that turns out unquantized (``proj_out``) or float8 (qfloat8)."""
+    layer.weight = layer.weight_scale = layer.bias = None
+    layer.has_bias = bias
+
+
 class Int8Ops(comfy.ops.manual_cast):
     """ComfyUI's operations with the pack's layers as its linear and 2-D convolution layers."""
 
@@ -81,8 +89,9 @@ class Int8Ops(comfy.ops.manual_cast):
             super().__init__(
                 torch.empty(out_features, in_features, dtype=torch.int8, device=META),
                 torch.empty(out_features, 1, dtype=self.compute_dtype, device=META),
-                torch.empty(out_features, dtype=self.compute_dtype, device=META) if bias else None,
+                None,
             )
+            _unset(self, bias)
 
         def _load_from_state_dict(self, state_dict, prefix, _metadata, _strict, missing, unexpected, _errors):
             _load_scaled(self, state_dict, prefix, missing, unexpected, self.compute_dtype)
@@ -109,12 +118,13 @@ class Int8Ops(comfy.ops.manual_cast):
             super().__init__(
                 torch.empty(out_channels, in_channels // groups, *size, dtype=torch.int8, device=META),
                 torch.empty(out_channels, 1, 1, 1, dtype=self.compute_dtype, device=META),
-                torch.empty(out_channels, dtype=self.compute_dtype, device=META) if bias else None,
+                None,
                 torch.nn.modules.utils._pair(stride),
                 torch.nn.modules.utils._pair(padding),
                 torch.nn.modules.utils._pair(dilation),
                 groups,
             )
+            _unset(self, bias)
 
         def _load_from_state_dict(self, state_dict, prefix, _metadata, _strict, missing, unexpected, _errors):
             _load_scaled(self, state_dict, prefix, missing, unexpected, self.compute_dtype)

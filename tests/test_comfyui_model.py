@@ -111,4 +111,3 @@ def test_the_packs_sampler_takes_the_lora_node(server):
     at_zero = image(server, prompt)
     assert np.abs(with_lora.astype(int) - plain.astype(int)).mean() > 2
     assert np.array_equal(at_zero, plain)
-

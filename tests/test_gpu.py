@@ -397,3 +397,29 @@ def test_the_decoder_in_strips_keeps_the_image_and_saves_memory_at_1024(tiny, cu
     torch.cuda.empty_cache()
     assert_close(strips, whole, network=True)
     assert strips_peak < whole_peak - 2**30 // 2, (strips_peak / 2**30, whole_peak / 2**30)
+
+
+def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
+    tiny, tiny_folder, reference, cuda, tmp_path, monkeypatch
+):
+    """A LoRA on CUDA gives the same latents whether the run holds the expanded weights (with the LoRA's sum
+    in them, once) or each layer expands and adds per call; it changes the latents; and after the run the
+    GPU holds what it held before (no expanded or patched weight stays)."""
+    import dataclasses
+
+    from pixart_lowvram.core import lora, memory
+    from pixart_lowvram.core.random_model import save_random_lora
+
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization="qint8")
+    with_lora = dataclasses.replace(settings, loras=(lora.LoraSpec(path),))
+    plain = sampler.sample(settings, reference.embeds)
+    # After a first run: what stays allocated from then on (cuBLAS's workspace) is the baseline.
+    before = torch.cuda.memory_allocated(cuda)
+    dense = sampler.sample(with_lora, reference.embeds)
+    assert torch.cuda.memory_allocated(cuda) == before
+    monkeypatch.setattr(memory, "device_room", lambda device: 0)  # no room: expanded per call
+    per_call = sampler.sample(with_lora, reference.embeds)
+    assert torch.equal(dense, per_call)  # exact: the same expansion and sum on the same values
+    assert _cosine(dense, plain) < 0.9999
+    assert torch.cuda.memory_allocated(cuda) == before
