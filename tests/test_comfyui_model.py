@@ -90,12 +90,17 @@ def test_a_lora_through_core_nodes_on_the_packs_model(server):
 
 def test_free_lets_the_model_go_and_a_prompt_after_runs(server):
     first = image(server, lora_prompt(1.0, seed=11))
+    start = server.log.stat().st_size
+    image(server, lora_prompt(1.0, seed=12))
+    assert "Requested to load PixArt" not in server.log_text(start), "a loaded MODEL stays loaded"
     response = requests.post(
         server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
     )
     assert response.status_code == 200
-    # ComfyUI frees on its prompt worker's next turn; the next prompt loads everything anew.
+    # ComfyUI frees on its prompt worker's next turn: the next prompt loads the MODEL anew.
+    start = server.log.stat().st_size
     assert np.array_equal(image(server, lora_prompt(1.0, seed=11)), first)
+    assert "Requested to load PixArt" in server.log_text(start), "/free let the MODEL go"
 
 
 def test_the_packs_sampler_takes_the_lora_node(server):
