@@ -322,6 +322,7 @@ LORA_FORMATS = {
     "peft": ("transformer.", ".lora_B.weight", ".lora_A.weight", False),
     "kohya": ("transformer.", ".lora_up.weight", ".lora_down.weight", True),
     "peft-base-model": ("base_model.model.", ".lora_B.weight", ".lora_A.weight", False),
+    "peft-unet": ("unet.base_model.model.", ".lora_B.weight", ".lora_A.weight", False),
 }
 
 
