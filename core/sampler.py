@@ -342,7 +342,7 @@ def quantized_transformer(settings: SamplerSettings):
     def quantize():
         return scheme.after_load(_read(settings, origin))
 
-    if settings.quant_cache is None or not scheme.backend.saves_quantized:
+    if settings.quant_cache is None or not scheme.saves_quantized:
         model = quantize()
     else:
         recipe = {"scheme": scheme.name, "dtype": settings.dtype, "class": "PixArtTransformer2DModel"}
@@ -350,9 +350,9 @@ def quantized_transformer(settings: SamplerSettings):
             recipe["config"] = weights.config  # inferred, so a change in the inference is a new entry
         model = quant_cache.load_or_build(
             quant_cache.entry(settings.quant_cache, "transformer", origin, recipe),
-            load=lambda folder: scheme.backend.load_quantized(_empty(settings.config), scheme.name, folder),
+            load=lambda folder: scheme.load_quantized(_empty(settings.config), folder),
             build=quantize,
-            save=scheme.backend.save_quantized,
+            save=scheme.save_quantized,
         )
     model.eval().requires_grad_(False)
     scheme.plain_modules(model)

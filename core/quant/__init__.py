@@ -10,6 +10,7 @@ restates a scheme's facts. Adding a scheme is one row here (and a backend, for a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,6 +65,20 @@ class Scheme:
 
     def keeps_fp32_modules(self) -> bool:
         return self.backend.keeps_fp32_modules(self.name)
+
+    @property
+    def saves_quantized(self) -> bool:
+        """Whether what this scheme makes can be saved and read back without quantizing again (the
+        pre-quantized cache, :mod:`..quant_cache`)."""
+        return self.backend.saves_quantized
+
+    def save_quantized(self, model: torch.nn.Module, folder: Path) -> None:
+        """Write ``model``, as :meth:`after_load` left it, into ``folder``."""
+        self.backend.save_quantized(model, folder)
+
+    def load_quantized(self, empty: torch.nn.Module, folder: Path) -> torch.nn.Module:
+        """``empty`` (the architecture on the meta device) holding what :meth:`save_quantized` wrote."""
+        return self.backend.load_quantized(empty, self.name, folder)
 
     def describe(self) -> str:
         """A short label for reports and embeddings metadata, e.g. ``bitsandbytes nf4``."""
