@@ -10,6 +10,8 @@ The VAE's figures live in vae.py beside its tiling estimate.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .quant import GIB, Scheme
@@ -29,6 +31,22 @@ T5_STREAMED_EXTRA = int(0.2 * GIB)  # quantization state, final norm, activation
 # What low-VRAM mode holds a stage to: a model whose whole weights and run fit is kept whole on the device
 # for its run (the int8 transformer at 1024²: 0.85 GiB measured), a larger one streams its blocks (T5-XXL in nf4).
 LOW_VRAM_BUDGET = 1 * GIB
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a stage's run is asked to do, as far as the memory it holds and the model it keeps depend on it:
+    ``images`` images of ``pixels`` pixels each, decoded whole or in tiles of ``tile`` pixels. Every stage's
+    settings take one (``cache_key``, ``device_bytes``); T5's run depends on none of it (``Workload()``)."""
+
+    images: int = 1
+    pixels: int = 0
+    tile: int | None = None
+
+    @classmethod
+    def of(cls, latents: torch.Tensor, tile: int | None = None) -> Workload:
+        """The run on a batch of latents ``[B, 4, h, w]``: B images of 8h × 8w pixels."""
+        return cls(latents.shape[0], latents.shape[-1] * latents.shape[-2] * 64, tile)
 
 
 def text_encoder(scheme: Scheme, dtype: torch.dtype, low_vram: bool = False) -> tuple[int, int]:

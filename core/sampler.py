@@ -27,6 +27,7 @@ from .contract import (
     warn,
 )
 from .devices import as_device, resolve_dtype
+from .estimates import Workload
 from .models import ModelSource, TransformerFile, check_weights, read_transformer_file
 from .quant import TRANSFORMER_SCHEMES, Scheme, choose
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
@@ -152,14 +153,15 @@ class SamplerSettings:
         """Whether a run holds the quantized weights expanded (on a GPU, without low_vram, when quantized)."""
         return self.device.type == "cuda" and not self.low_vram and self.scheme.quantized
 
-    def streamed(self, images: int, pixels: int) -> bool:
-        """Whether a run of ``images`` images of ``pixels`` pixels streams the blocks from CPU memory: with
-        low_vram, when the whole transformer and its run would not fit in the low-VRAM budget."""
+    def streamed(self, work: Workload) -> bool:
+        """Whether a run of ``work`` streams the blocks from CPU memory: with low_vram, when the whole
+        transformer and its run would not fit in the low-VRAM budget."""
         if not self.low_vram:
             return False
-        return sum(estimates.transformer(self.scheme, self.dtype, images, pixels)) > estimates.LOW_VRAM_BUDGET
+        run = estimates.transformer(self.scheme, self.dtype, work.images, work.pixels)
+        return sum(run) > estimates.LOW_VRAM_BUDGET
 
-    def cache_key(self, images: int, pixels: int) -> tuple:
+    def cache_key(self, work: Workload) -> tuple:
         """What a kept transformer is found by: the same weights, quantized and placed the same way."""
         return (
             "transformer",
@@ -168,14 +170,14 @@ class SamplerSettings:
             self.dtype,
             str(self.device),
             self.low_vram,
-            self.streamed(images, pixels),
+            self.streamed(work),
             self.fast,
         )
 
-    def device_bytes(self, images: int, pixels: int) -> tuple[int, int]:
-        """(weights, work) bytes the stage holds on its device for ``images`` images of ``pixels`` pixels."""
+    def device_bytes(self, work: Workload) -> tuple[int, int]:
+        """(weights, work) bytes the stage holds on its device for a run of ``work``."""
         return estimates.transformer(
-            self.scheme, self.dtype, images, pixels, self.streamed(images, pixels), self.dense
+            self.scheme, self.dtype, work.images, work.pixels, self.streamed(work), self.dense
         )
 
     def out_of_memory_advice(self) -> str:
@@ -406,7 +408,7 @@ def prepare(
 
 
 @contextlib.contextmanager
-def _dense(settings: SamplerSettings, transformer, images: int, pixels: int) -> Iterator[None]:
+def _dense(settings: SamplerSettings, transformer, work: Workload) -> Iterator[None]:
     """The run with the quantized weights held expanded (:attr:`SamplerSettings.dense`) when the device has
     room for them beside the run itself; otherwise each layer expands its weight as it runs (the same
     numbers, more kernel launches)."""
@@ -414,7 +416,7 @@ def _dense(settings: SamplerSettings, transformer, images: int, pixels: int) -> 
         yield
         return
     # The run's own work: the stage's estimate (device_bytes) counts the expanded copy in already.
-    _weights, run = estimates.transformer(settings.scheme, settings.dtype, images, pixels)
+    _weights, run = estimates.transformer(settings.scheme, settings.dtype, work.images, work.pixels)
     needed = settings.scheme.dense_bytes(transformer) + run
     room = memory.device_room(settings.device)
     if needed > room:
@@ -524,20 +526,18 @@ def _sample(
 
     device, dtype = settings.device, settings.dtype
     total = settings.steps - schedule.skip
-    size = latents.shape[0], latents.shape[-1] * latents.shape[-2] * 64  # images, pixels each
-    streamed = settings.streamed(*size)
-    weights, work = settings.device_bytes(*size)
+    work = Workload.of(latents)
+    streamed = settings.streamed(work)
     with (
         cache.use(
-            settings.cache_key(*size),
+            settings.cache_key(work),
             lambda: _load(settings, streamed),
             settings.keep_loaded,
             device,
-            weights,
-            work,
+            *settings.device_bytes(work),
         ) as transformer,
         lora.applied(transformer, settings.loras, on_warning),
-        _dense(settings, transformer, *size),
+        _dense(settings, transformer, work),
     ):
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule

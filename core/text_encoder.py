@@ -16,6 +16,7 @@ from . import estimates, memory, quant_cache, streaming
 from .cache import cache
 from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, check_flag, warn
 from .devices import as_device, resolve_dtype
+from .estimates import Workload
 from .models import ModelSource, T5File, check_weights, read_t5_file
 from .quant import TEXT_ENCODER_SCHEMES, Scheme, choose
 
@@ -74,9 +75,9 @@ class EncoderSettings:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
-    @property
-    def cache_key(self) -> tuple:
-        """What a kept T5 is found by: the same weights, quantized and placed the same way."""
+    def cache_key(self, work: Workload) -> tuple:
+        """What a kept T5 is found by: the same weights, quantized and placed the same way (for any
+        ``work``: 300 tokens whatever the image)."""
         return (
             "text_encoder",
             self.weights.key,
@@ -86,8 +87,9 @@ class EncoderSettings:
             self.low_vram,
         )
 
-    def device_bytes(self) -> tuple[int, int]:
-        """(weights, work) bytes the stage holds on its device, for the host to make room."""
+    def device_bytes(self, work: Workload) -> tuple[int, int]:
+        """(weights, work) bytes the stage holds on its device, for the host to make room (the same for
+        any ``work``)."""
         return estimates.text_encoder(self.scheme, self.dtype, self.low_vram)
 
     def out_of_memory_advice(self) -> str:
@@ -281,8 +283,13 @@ def _encode(
     from diffusers import PixArtSigmaPipeline
 
     device = settings.device
+    work = Workload()
     with cache.use(
-        settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *settings.device_bytes()
+        settings.cache_key(work),
+        lambda: _load(settings),
+        settings.keep_loaded,
+        device,
+        *settings.device_bytes(work),
     ) as text_encoder:
         on_progress(1, 2, None)
         # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.

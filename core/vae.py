@@ -14,6 +14,7 @@ from . import estimates, memory, streaming
 from .cache import cache
 from .contract import ProgressCallback, check_flag, check_latent_tensor
 from .devices import as_device, resolve_dtype
+from .estimates import Workload
 from .models import ModelSource, check_weights, read_single_file_header
 
 TILING = ("auto", "on", "off")
@@ -120,15 +121,15 @@ class DecoderSettings:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
-    @property
-    def cache_key(self) -> tuple:
-        """What a kept VAE is found by: the same weights in the same dtype on the same device."""
+    def cache_key(self, work: Workload) -> tuple:
+        """What a kept VAE is found by: the same weights in the same dtype on the same device (for any
+        ``work``: tiling is set on the kept VAE for each decode)."""
         weights = str(self.vae_file.resolve()) if self.vae_file is not None else self.model.key
         return ("vae", weights, self.dtype, str(self.device))
 
-    def device_bytes(self, samples: torch.Tensor, tile: int | None) -> tuple[int, int]:
-        """(weights, work) bytes of a decode of ``samples``, whole or in tiles of ``tile`` pixels."""
-        return needs(samples, self.dtype, tile)
+    def device_bytes(self, work: Workload) -> tuple[int, int]:
+        """(weights, work) bytes of a decode of ``work``, whole or in its tiles."""
+        return decode_bytes(work, self.dtype)
 
     def out_of_memory_advice(self) -> str:
         steps = [] if self.tiling == "on" else ["set tiling to on"]
@@ -230,16 +231,20 @@ def decode_in_place(model) -> int:
 
 def untiled_bytes(samples: torch.Tensor, dtype: torch.dtype) -> int:
     """Estimated activation memory of an untiled decode of ``samples``."""
-    batch, _, height, width = samples.shape
-    return batch * height * width * 64 * dtype.itemsize * ACTIVATION_BYTES_PER_PIXEL
+    return decode_bytes(Workload.of(samples), dtype)[1]
 
 
 def needs(samples: torch.Tensor, dtype: torch.dtype, tile: int | None) -> tuple[int, int]:
-    """(weights, work) of a decode of ``samples``: untiled as :func:`untiled_bytes`, tiled per tile."""
+    """(weights, work) of a decode of ``samples``, whole or in tiles of ``tile`` pixels."""
+    return decode_bytes(Workload.of(samples, tile), dtype)
+
+
+def decode_bytes(work: Workload, dtype: torch.dtype) -> tuple[int, int]:
+    """(weights, work) of a decode: untiled, its activations per output pixel; tiled, per tile."""
     weights = VAE_PARAMETERS * dtype.itemsize
-    if tile is None:
-        return weights, untiled_bytes(samples, dtype)
-    return weights, int(samples.shape[0] * tile * tile * dtype.itemsize * TILED_WORK_BYTES_PER_PIXEL)
+    if work.tile is None:
+        return weights, work.images * work.pixels * dtype.itemsize * ACTIVATION_BYTES_PER_PIXEL
+    return weights, int(work.images * work.tile * work.tile * dtype.itemsize * TILED_WORK_BYTES_PER_PIXEL)
 
 
 def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
@@ -274,8 +279,11 @@ def _decode(
 ) -> torch.Tensor:
     # Its own frame: once it has returned or raised, nothing here keeps the VAE alive.
     device = settings.device
-    room = settings.device_bytes(samples, tile)
-    with cache.use(settings.cache_key, lambda: _load(settings), settings.keep_loaded, device, *room) as vae:
+    work = Workload.of(samples, tile)
+    room = settings.device_bytes(work)
+    with cache.use(
+        settings.cache_key(work), lambda: _load(settings), settings.keep_loaded, device, *room
+    ) as vae:
         if on_progress is not None:
             on_progress(1, 2, None)
         # A kept VAE may come back from a tiled run: set its mode every time.

@@ -13,6 +13,7 @@ import torch
 from tolerances import assert_close
 
 from pixart_lowvram.core import estimates, sampler, streaming, text_encoder
+from pixart_lowvram.core.estimates import Workload
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
 
@@ -81,12 +82,16 @@ def test_a_transformer_that_fits_the_budget_is_not_streamed(tiny, reference, blo
     assert block_log == []  # no streamer was made
     megapixel = 1024 * 1024
     half = {"device": "cpu", "precision": torch.float16}
-    assert not sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(1, megapixel)
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(1, 4 * megapixel)
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(2, megapixel)
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True, quantization="none").streamed(1, megapixel)
-    assert not sampler.SamplerSettings(tiny, **half).streamed(1, 4 * megapixel)  # only with low_vram
-    resident, streamed = (low.cache_key(1, pixels) for pixels in (megapixel, 4 * megapixel))
+    assert not sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, megapixel))
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, 4 * megapixel))
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(2, megapixel))
+    assert sampler.SamplerSettings(tiny, **half, low_vram=True, quantization="none").streamed(
+        Workload(1, megapixel)
+    )
+    assert not sampler.SamplerSettings(tiny, **half).streamed(
+        Workload(1, 4 * megapixel)
+    )  # only with low_vram
+    resident, streamed = (low.cache_key(Workload(1, pixels)) for pixels in (megapixel, 4 * megapixel))
     assert resident != streamed  # a kept model is found only for the placement it was made for
 
 

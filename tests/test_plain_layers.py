@@ -10,6 +10,7 @@ import torch
 from tolerances import assert_close
 
 from pixart_lowvram.core import estimates, memory, sampler
+from pixart_lowvram.core.estimates import Workload
 from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_layers
 
@@ -77,7 +78,7 @@ def test_which_runs_hold_dense_weights(tiny):
     on_cpu = sampler.SamplerSettings(tiny, device="cpu")
     assert not on_cpu.dense
     qint8 = TRANSFORMER_SCHEMES["qint8"]
-    weights, work = on_cpu.device_bytes(1, MEGAPIXEL)
+    weights, work = on_cpu.device_bytes(Workload(1, MEGAPIXEL))
     assert (weights, work) == estimates.transformer(qint8, on_cpu.dtype, 1, MEGAPIXEL)
     dense = estimates.transformer(qint8, torch.float16, 1, MEGAPIXEL, dense=True)
     assert dense[1] - work == estimates.TRANSFORMER_PARAMETERS * 2  # the fp16 copy, during the run
@@ -112,7 +113,7 @@ def test_a_run_holds_dense_weights_when_they_and_the_run_fit(tiny, monkeypatch, 
     exact = dense_bytes(model) + run
     free = {"run": exact, "short": exact - 1}.get(room, room)
     monkeypatch.setattr(memory, "device_room", lambda device: free)
-    with sampler._dense(settings, model, 1, MEGAPIXEL):
+    with sampler._dense(settings, model, Workload(1, MEGAPIXEL)):
         held = [m.weight_dense is not None for m in model if isinstance(m, ScaledWeightLinear)]
     assert held == [dense, dense]
     assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))
