@@ -23,7 +23,12 @@ pixart-full --device cuda --steps 2``):
 Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds): ``server: pack
 defaults`` (the bundled basic workflow), ``server: pack fast`` (its sampler's fast on), ``server: pack
 low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded`` (the basic workflow, every model
-kept), each without its Memory Snapshot node (an image's time, not the report's). The server runs with ComfyUI's own defaults (its allocator choice included); each stage's seconds and
+kept), each without its Memory Snapshot node (an image's time, not the report's); ``server: pack int8
+MODEL, core KSampler`` (the bundled LoRA workflow without its LoRA loader); ``server: ComfyUI core fp16``
+(core's own graph: CLIPLoader T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage,
+on the single files of the same weights) with the server's defaults and with ``--disable-dynamic-vram``.
+Every server row also records the card's used memory during each prompt (``cudaMemGetInfo``, what NVML
+reads: all processes, this client's CUDA context included). The server runs with ComfyUI's own defaults (its allocator choice included); each stage's seconds and
 GPU peaks come from the pack's log line for it in the server's log, and the prompt's from its stages.
 ``$COMFYUI_EXTRA_ARGS`` goes on the server's command line (e.g. ``--disable-api-nodes --front-end-root
 DIR`` where ComfyUI's front-end and API-node packages are not installed).
@@ -53,6 +58,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +105,20 @@ CONFIGS: dict[str, dict] = {
     "server: pack fast": {"kind": "server", "sets": ["2.fast=true"]},
     "server: pack low-VRAM": {"kind": "server", "workflow": "pixart_lowvram_low_vram_api.json"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},
+    # The pack's int8 MODEL under core's KSampler: the bundled LoRA workflow without its LoRA loader.
+    "server: pack int8 MODEL, core KSampler": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "drop": ("LoraLoaderModelOnly",),
+    },
+    # ComfyUI core's own fp16 PixArt-Σ as its users build it, through the same server (its defaults:
+    # Dynamic VRAM on NVIDIA), and with Dynamic VRAM off.
+    "server: ComfyUI core fp16": {"kind": "server", "core": True},
+    "server: ComfyUI core fp16, --disable-dynamic-vram": {
+        "kind": "server",
+        "core": True,
+        "args": ("--disable-dynamic-vram",),
+    },
 }
 ANCHOR = next(iter(CONFIGS))
 WARM_UP = "warm-up: fill the pre-quantized cache"
@@ -300,11 +320,85 @@ def run_core(
     return records, images
 
 
+def core_workflow() -> dict:
+    """ComfyUI core's own PixArt-Σ graph (API format): CLIPLoader (T5-XXL fp16, type pixart), two
+    CLIPTextEncode, UNETLoader, EmptyLatentImage, KSampler (dpmpp_2m, normal), VAELoader, VAEDecode,
+    SaveImage, on the single files ``comfyui_path.write_models_tree`` writes."""
+    import comfyui_path
+
+    files, size = comfyui_path.FILES, SETTINGS["width"]
+    sampler = {"sampler_name": "dpmpp_2m", "scheduler": "normal", "denoise": 1.0, "seed": 0}
+    sampler |= {"steps": SETTINGS["steps"], "cfg": SETTINGS["cfg"]}
+    nodes = {
+        "1": ("CLIPLoader", {"clip_name": files["text_encoders"], "type": "pixart"}),
+        "2": ("CLIPTextEncode", {"clip": ["1", 0], "text": ""}),
+        "3": ("CLIPTextEncode", {"clip": ["1", 0], "text": ""}),
+        "4": ("UNETLoader", {"unet_name": files["diffusion_models"], "weight_dtype": "default"}),
+        "5": ("EmptyLatentImage", {"width": size, "height": size, "batch_size": 1}),
+        "6": (
+            "KSampler",
+            sampler
+            | {"model": ["4", 0], "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["5", 0]},
+        ),
+        "7": ("VAELoader", {"vae_name": files["vae"]}),
+        "8": ("VAEDecode", {"samples": ["6", 0], "vae": ["7", 0]}),
+        "9": ("SaveImage", {"images": ["8", 0], "filename_prefix": "core"}),
+    }
+    return {key: {"class_type": kind, "inputs": inputs} for key, (kind, inputs) in nodes.items()}
+
+
+def link_core_models(model_dir: Path, base: Path, tree: Path) -> None:
+    """The single files core's loaders read, written once into ``tree`` and linked into the server's
+    models/ folders."""
+    import comfyui_path
+
+    comfyui_path.write_models_tree(model_dir, tree)
+    for folder, name in comfyui_path.FILES.items():
+        (base / "models" / folder).mkdir(parents=True, exist_ok=True)
+        (base / "models" / folder / name).symlink_to(tree / folder / name)
+
+
+def without(workflow: dict, kinds: tuple[str, ...]) -> dict:
+    """``workflow`` without the nodes of ``kinds``, each one's links taken by what fed its first input."""
+    dropped = {key: node for key, node in workflow.items() if node["class_type"] in kinds}
+    kept = {key: node for key, node in workflow.items() if key not in dropped}
+    for node in kept.values():
+        for name, value in node["inputs"].items():
+            while isinstance(value, list) and value[0] in dropped:
+                value = next(v for v in dropped[value[0]]["inputs"].values() if isinstance(v, list))
+            node["inputs"][name] = value
+    return kept
+
+
+class DeviceUsed:
+    """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
+    context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
+
+    def __init__(self):
+        self.peak, self._stop = 0, threading.Event()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            self._stop.wait(0.01)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def run_server(
     model_dir: Path, comfyui: Path, config: dict, base: Path
 ) -> tuple[list[dict], list[torch.Tensor]]:
-    """The bundled basic workflow through a real server, one prompt at a time (submit to images
-    downloaded); the RSS of the server's whole process tree after each."""
+    """A workflow through a real server, one prompt at a time (submit to images downloaded): the bundled
+    basic workflow unless the configuration names another, or core's own graph; the RSS of the server's whole
+    process tree and the card's used memory after and during each."""
     import comfy_server
     import numpy as np
     from PIL import Image
@@ -312,25 +406,38 @@ def run_server(
 
     from pixart_lowvram.core import client as api
 
-    name = config.get("workflow", "pixart_lowvram_basic_api.json")
-    workflow = api.load_workflow(comfy_server.REPO / "example_workflows" / "api" / name)
-    sets = [f"{key}.model=pixart-full" for key, node in workflow.items() if "model" in node["inputs"]]
-    sets += [
-        f"{key}.keep_loaded={bool(config.get('keep'))}"
-        for key, node in workflow.items()
-        if "keep_loaded" in node["inputs"]
-    ]
-    sets += config.get("sets", [])
-    # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
-    workflow = without_snapshot(workflow)
+    if config.get("core"):
+        workflow, sets = core_workflow(), []
+        link_core_models(model_dir, base, base.parent / "core_models")
+    else:
+        name = config.get("workflow", "pixart_lowvram_basic_api.json")
+        workflow = api.load_workflow(comfy_server.REPO / "example_workflows" / "api" / name)
+        workflow = without(workflow, config.get("drop", ()))
+        sets = [
+            f"{key}.model=pixart-full"
+            for key, node in workflow.items()
+            if isinstance(node["inputs"].get("model"), str)
+        ]
+        sets += [
+            f"{key}.keep_loaded={bool(config.get('keep'))}"
+            for key, node in workflow.items()
+            if "keep_loaded" in node["inputs"]
+        ]
+        sets += config.get("sets", [])
+        # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
+        workflow = without_snapshot(workflow)
     records, images = [], []
-    with comfy_server.started(comfyui, base, {"pixart-full": model_dir}, sys.executable) as server:
+    with comfy_server.started(
+        comfyui, base, {"pixart-full": model_dir}, sys.executable, extra_args=tuple(config.get("args", ()))
+    ) as server:
         client = api.Client(server.url)
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
         client.check(api.apply_overrides(workflow, sets))
         ws = client.connect()
         for index, (text, seed) in enumerate([*PROMPTS, REPEAT]):
             prompt = api.apply_overrides(workflow, sets, prompt=text, seed=seed)
+            if config.get("core"):
+                prompt["2"]["inputs"]["text"] = text
             log_start = server.log.stat().st_size
             starts: list[tuple[str | None, float]] = []  # (node, when ComfyUI said it started)
 
@@ -339,8 +446,10 @@ def run_server(
                     starts.append((data.get("node"), time.perf_counter()))
 
             start = time.perf_counter()
-            outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
+            with DeviceUsed() as used:
+                outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
+            record["device_used"] = used.peak
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
                 log.seek(log_start)
@@ -443,7 +552,7 @@ def summary(records: list[dict], anchor: float | None) -> dict:
             mean = sum(values) / len(values)
             out[f"later_{key}_seconds"] = mean
             out[f"later_{key}_ratio"] = None if not anchor else mean / anchor
-    for key in ("peak_allocated", "peak_reserved", "copied_to_gpu", "pool_bytes", "rss"):
+    for key in ("peak_allocated", "peak_reserved", "copied_to_gpu", "pool_bytes", "rss", "device_used"):
         values = [r[key] for r in later if r.get(key) is not None]
         if values:
             out[f"later_max_{key}"] = max(values)
@@ -475,12 +584,12 @@ def markdown(meta: dict, results: dict) -> str:
         "",
         "| configuration | 1st prompt s | later s | × anchor | stages s (×) | ComfyUI executed s (×) | "
         "PNG s | later − PNG s (×) | GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | "
-        "pool GiB | host RSS GiB | 6th = 1st |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "pool GiB | host RSS GiB | card used GiB (later, server rows) | 6th = 1st |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | | | |")
+            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | | | | |")
             continue
         s = result["summary"]
         ratio = "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}"
@@ -491,7 +600,8 @@ def markdown(meta: dict, results: dict) -> str:
             f"{'–' if png is None else f'{png:.3f}'} | {seconds_and_ratio(s, 'unsaved')} | "
             f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
             f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
-            f"{fmt_gib(s.get('later_max_rss'))} | {'yes' if result['repeat_identical'] else '**no**'} |"
+            f"{fmt_gib(s.get('later_max_rss'))} | {fmt_gib(s.get('later_max_device_used'))} | "
+            f"{'yes' if result['repeat_identical'] else '**no**'} |"
         )
     anchor = results.get(ANCHOR, {}).get("summary", {})
     if anchor.get("later_png_seconds") is not None:
