@@ -14,16 +14,14 @@ import torch
 from tqdm.auto import tqdm
 
 from . import (
-    contract,
     folders,
+    inputs,
     lora,
     memory,
     outputs,
-    quant,
     quant_cache,
     random_model,
     sampler,
-    schedulers,
     text_encoder,
     timeline,
     vae,
@@ -34,8 +32,6 @@ from .models import HUB_IDS, ModelSource, resolve_model
 from .quant.bitsandbytes import quiet_optional_kernel_notice
 
 logger = logging.getLogger(__name__)
-
-DEMO_PROMPT = "a photo of a red cat in a garden"
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
@@ -51,60 +47,10 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    """The options of demo and generate: each named as the node input it matches."""
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="what the image shows")
-    p.add_argument(
-        "--negative-prompt", "--negative", default="", help="what to steer away from (`--negative` before)"
-    )
-    p.add_argument(
-        "--resolution",
-        default=sampler.CUSTOM_RESOLUTION,
-        metavar="{custom,native,PRESET}",
-        help="custom: --width and --height (each the model's size when left out); native: a square of the "
-        "model's size; or a preset such as '1024: 1024×1024 (1:1)'",
-    )
-    size = f"pixels, a multiple of {contract.SIZE_MULTIPLE} in {contract.MIN_SIZE}..{contract.MAX_SIZE}"
-    p.add_argument("--width", type=int, default=None, help=f"{size} (default: the model's size)")
-    p.add_argument("--height", type=int, default=None, help=f"{size} (default: the model's size)")
-    p.add_argument("--steps", type=int, default=20, help="denoising steps")
-    p.add_argument("--cfg", type=float, default=4.5, help="classifier-free guidance scale")
-    p.add_argument(
-        "--scheduler", choices=schedulers.SCHEDULERS, default=schedulers.DEFAULT_SCHEDULER, help="sampler"
-    )
-    p.add_argument("--seed", type=int, default=0, help="noise seed (same seed, same image on any device)")
-    p.add_argument("--batch-size", type=int, default=1, help="images per prompt")
-    # `--t5-quant` and `--quant` are the names of earlier versions.
-    p.add_argument(
-        "--t5-quantization",
-        "--t5-quant",
-        choices=list(quant.TEXT_ENCODER_SCHEMES),
-        default=text_encoder.DEFAULT_QUANTIZATION,
-        help="T5's weights. " + quant.tooltip(quant.TEXT_ENCODER_SCHEMES),
-    )
-    p.add_argument(
-        "--quantization",
-        "--quant",
-        choices=list(quant.TRANSFORMER_SCHEMES),
-        default=sampler.DEFAULT_QUANTIZATION,
-        help="the transformer's weights. " + quant.tooltip(quant.TRANSFORMER_SCHEMES),
-    )
+    """The options of demo and generate: the stages' inputs as they declare them, each named as the node
+    input it matches (inputs.py), then the command line's own."""
+    inputs.add_options(p, text_encoder.INPUTS, sampler.INPUTS, vae.INPUTS)
     p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
-    p.add_argument(
-        "--tiling",
-        choices=vae.TILING,
-        default="auto",
-        help="VAE decode in tiles (auto: when short of memory)",
-    )
-    p.add_argument(
-        "--low-vram",
-        action="store_true",
-        help="stream T5 layers and transformer blocks from CPU memory and decode in tiles (< 1 GB at 1024²)",
-    )
-    p.add_argument(
-        "--fast",
-        action="store_true",
-        help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
-    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
     p.add_argument(
         "--out",
@@ -254,36 +200,23 @@ def stage_settings(args: argparse.Namespace, source: ModelSource):
     """The three stages' settings from the command line, each checked as it is made (before any model
     loads). Low-VRAM mode also decodes in tiles."""
     cache_dir = quant_cache_folder(args)
+    given = vars(args)
     encoding = text_encoder.EncoderSettings(
-        source,
-        quantization=args.t5_quantization,
-        device=args.device,
-        low_vram=args.low_vram,
-        quant_cache=cache_dir,
+        source, device=args.device, quant_cache=cache_dir, **text_encoder.INPUTS.command_line_values(given)
     )
     sampling = sampler.SamplerSettings(
         source,
-        width=args.width,
-        height=args.height,
-        resolution=args.resolution,
-        steps=args.steps,
-        cfg=args.cfg,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        scheduler=args.scheduler,
-        quantization=args.quantization,
         device=encoding.device,
         precision=args.precision,
-        low_vram=args.low_vram,
-        fast=args.fast,
         quant_cache=cache_dir,
         loras=tuple(lora.LoraSpec.parse(text) for text in args.loras),
+        **sampler.INPUTS.command_line_values(given),
     )
     decoding = vae.DecoderSettings(
         source,
         device=encoding.device,
         precision=args.precision,
-        tiling="on" if args.low_vram else args.tiling,
+        **{**vae.INPUTS.command_line_values(given), **({"tiling": "on"} if args.low_vram else {})},
     )
     return encoding, sampling, decoding
 

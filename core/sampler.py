@@ -12,17 +12,18 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, lora, memory, quant_cache, streaming
+from . import estimates, inputs, lora, memory, quant_cache, streaming
 from .cache import cache
 from .contract import (
     LATENT_CHANNELS,
+    MAX_SIZE,
+    MIN_SIZE,
+    SIZE_MULTIPLE,
     PixArtEmbeds,
     ProgressCallback,
     WarningCallback,
     check_embeds,
-    check_flag,
     check_latent_tensor,
-    check_number,
     check_size,
     warn,
 )
@@ -38,10 +39,129 @@ MAX_BATCH = 64
 MAX_STEPS = 1000
 MAX_CFG = 100.0
 MAX_SEED = 2**64 - 1
-DEFAULT_QUANTIZATION = next(iter(TRANSFORMER_SCHEMES))
-
 CUSTOM_RESOLUTION = "custom"
 NATIVE_RESOLUTION = "native"  # a square of the model's own size (its transformer's sample_size × 8)
+
+
+def _size(name: str) -> inputs.Input:
+    return inputs.Input(
+        name,
+        inputs.INT,
+        1024,
+        f"Image {name} in pixels, a multiple of {SIZE_MULTIPLE}. Used when resolution is custom and no latent "
+        "is connected.",
+        min=MIN_SIZE,
+        max=MAX_SIZE,
+        step=SIZE_MULTIPLE,
+        unset=None,  # the model's own size
+        checked=False,  # check_size(), once the size is worked out
+        help=f"pixels, a multiple of {SIZE_MULTIPLE} in {MIN_SIZE}..{MAX_SIZE} (default: the model's size)",
+    )
+
+
+# The sampling stage's inputs in its node's order (see inputs.py).
+INPUTS = inputs.Inputs(
+    inputs.slot("model"),
+    inputs.slot("embeds"),
+    _size("width"),
+    _size("height"),
+    inputs.Input(
+        "steps",
+        inputs.INT,
+        20,
+        "Denoising steps of the schedule; from a latent with denoise below 1, only the last steps × denoise "
+        "of them run.",
+        min=1,
+        max=MAX_STEPS,
+        help="denoising steps",
+    ),
+    inputs.Input(
+        "cfg",
+        inputs.FLOAT,
+        4.5,
+        "Classifier-free guidance scale; 1 or less turns guidance off.",
+        min=0.0,
+        max=MAX_CFG,
+        step=0.1,
+        round=0.01,
+        hint=" (1 or less turns guidance off)",
+        help="classifier-free guidance scale",
+    ),
+    inputs.Input(
+        "seed",
+        inputs.INT,
+        0,
+        "Noise seed; noise is drawn on the CPU, so a seed gives the same image on any device.",
+        min=0,
+        max=MAX_SEED,
+        control_after_generate=True,
+        help="noise seed (same seed, same image on any device)",
+    ),
+    inputs.Input(
+        "batch_size", inputs.INT, 1, "Images per prompt.", min=1, max=MAX_BATCH, help="images per prompt"
+    ),
+    # Named `weights` before; at the same place, so saved workflows keep their value. `--quant` is the
+    # command line's name of earlier versions.
+    inputs.quantization(
+        TRANSFORMER_SCHEMES, "the transformer's weights.", flags=("--quantization", "--quant")
+    ),
+    inputs.KEEP_LOADED,
+    # Optional and after the others, so workflows saved before they existed still load.
+    inputs.slot("latent", optional=True),
+    inputs.Input(
+        "resolution",
+        inputs.CHOICE,
+        CUSTOM_RESOLUTION,
+        "custom: width and height. native: a square of the model's own size (512, 1024 or 2048 px, from its "
+        "transformer). Otherwise one of PixArt's aspect-ratio sizes for its 512, 1024 and 2048 px models, "
+        "listed as width×height (width:height).",
+        choices=lambda: [CUSTOM_RESOLUTION, NATIVE_RESOLUTION, *resolution_presets()],
+        optional=True,
+        checked=False,  # preset_size()
+        metavar="{custom,native,PRESET}",
+        help="custom: --width and --height (each the model's size when left out); native: a square of the "
+        "model's size; or a preset such as '1024: 1024×1024 (1:1)'",
+    ),
+    inputs.Input(
+        "scheduler",
+        inputs.CHOICE,
+        DEFAULT_SCHEDULER,
+        "dpmsolver++: the model's own scheduler (DPM-Solver++ 2M). The others are built from its config; "
+        "euler_ancestral and dpmsolver++_sde add seeded noise at every step.",
+        choices=SCHEDULERS,
+        optional=True,
+        help="sampler",
+    ),
+    inputs.Input(
+        "denoise",
+        inputs.FLOAT,
+        1.0,
+        "With a latent: how much of it is redrawn. 1 starts from noise (the latent gives only size and "
+        "batch), 0 returns it unchanged. Below 1 needs a latent.",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        optional=True,
+        hint=" (1 starts from noise, 0 returns the latent as it is)",
+        flags=(),  # the command line starts from no latent
+    ),
+    inputs.low_vram("the transformer's 28 blocks"),
+    inputs.slot("transformer_file", optional=True),
+    inputs.Input(
+        "fast",
+        inputs.BOOL,
+        False,
+        "Compile the transformer's blocks (torch.compile) and run them on weights expanded from qint8/qfloat8 "
+        "to fp16 one block at a time: faster than fp16 at about the quantized model's memory. The first image "
+        "of a session (and of each new size) waits for the compile, about 20 s on a GPU; keep_loaded keeps "
+        "the compiled model. Needs a working torch.compile (Triton on NVIDIA GPUs).",
+        optional=True,
+        help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
+    ),
+    inputs.slot("loras", optional=True),
+)
+# The int8 Model Loader's: where the transformer comes from and how it is quantized.
+LOADER_INPUTS = INPUTS.only("model", "quantization", "transformer_file")
 
 
 @dataclass(frozen=True)
@@ -71,21 +191,21 @@ class SamplerSettings:
     (:mod:`lora`): the kept and pooled transformer stays the one without them."""
 
     model: ModelSource
-    width: int | None = None
-    height: int | None = None
-    resolution: str = CUSTOM_RESOLUTION
-    steps: int = 20
-    cfg: float = 4.5
-    seed: int = 0
-    batch_size: int = 1
-    scheduler: str = DEFAULT_SCHEDULER
-    denoise: float = 1.0
-    quantization: str = DEFAULT_QUANTIZATION
+    width: int | None = INPUTS.field_default("width")
+    height: int | None = INPUTS.field_default("height")
+    resolution: str = INPUTS.field_default("resolution")
+    steps: int = INPUTS.field_default("steps")
+    cfg: float = INPUTS.field_default("cfg")
+    seed: int = INPUTS.field_default("seed")
+    batch_size: int = INPUTS.field_default("batch_size")
+    scheduler: str = INPUTS.field_default("scheduler")
+    denoise: float = INPUTS.field_default("denoise")
+    quantization: str = INPUTS.field_default("quantization")
     device: torch.device | str | None = None
     precision: str | torch.dtype | None = None
-    keep_loaded: bool = False
-    low_vram: bool = False
-    fast: bool = False
+    keep_loaded: bool = INPUTS.field_default("keep_loaded")
+    low_vram: bool = INPUTS.field_default("low_vram")
+    fast: bool = INPUTS.field_default("fast")
     transformer_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
     loras: tuple[lora.LoraSpec, ...] = ()
@@ -95,23 +215,13 @@ class SamplerSettings:
     config: dict = field(init=False, repr=False, compare=False)  # the transformer's
 
     def __post_init__(self) -> None:
-        for name in ("keep_loaded", "low_vram", "fast"):
-            check_flag(name, getattr(self, name))
+        INPUTS.check(self)
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
         object.__setattr__(self, "loras", tuple(self.loras))
         for spec in self.loras:
             if not isinstance(spec, lora.LoraSpec):
                 raise TypeError(f"loras holds {spec!r}; each must be a LoraSpec (a file and a strength).")
-        check_number("steps", self.steps, 1, MAX_STEPS, whole=True)
-        check_number("cfg", self.cfg, 0.0, MAX_CFG, whole=False, hint=" (1 or less turns guidance off)")
-        check_number("seed", self.seed, 0, MAX_SEED, whole=True)
-        check_number("batch_size", self.batch_size, 1, MAX_BATCH, whole=True)
-        if not isinstance(self.scheduler, str) or self.scheduler not in SCHEDULERS:
-            raise ValueError(
-                f"scheduler {self.scheduler!r} is unknown; choose one of {', '.join(SCHEDULERS)}."
-            )
-        check_denoise(self.denoise)
         device = as_device(self.device)
         # The parts of the model this stage reads, there and readable before anything loads.
         self.model.check_complete(["scheduler", *(["transformer"] if self.transformer_file is None else [])])
@@ -191,15 +301,8 @@ class SamplerSettings:
 
 
 def check_denoise(denoise: float, has_latent: bool = True) -> None:
-    """``denoise`` in 0..1; below 1 only with a latent to start from."""
-    check_number(
-        "denoise",
-        denoise,
-        0.0,
-        1.0,
-        whole=False,
-        hint=" (1 starts from noise, 0 returns the latent as it is)",
-    )
+    """``denoise`` in its declared range (0..1); below 1 only with a latent to start from."""
+    INPUTS["denoise"].check(denoise)
     if denoise < 1 and not has_latent:
         raise ValueError(
             f"denoise {denoise} needs a latent to start from; connect a LATENT (e.g. VAE Encode with the SDXL "

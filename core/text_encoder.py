@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, memory, quant_cache, streaming
+from . import estimates, inputs, memory, quant_cache, streaming
 from .cache import cache
-from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, check_flag, warn
+from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, warn
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, T5File, check_weights, read_t5_file
@@ -24,7 +24,39 @@ logger = logging.getLogger(__name__)
 
 MAX_TOKENS = 300  # PixArt-Σ's caption length
 DROPPED_SHOWN = 80  # characters of the dropped text quoted in the truncation warning
-DEFAULT_QUANTIZATION = next(iter(TEXT_ENCODER_SCHEMES))
+# The T5 stage's inputs in its node's order (see inputs.py).
+INPUTS = inputs.Inputs(
+    inputs.slot("model"),
+    inputs.Input(
+        "prompt",
+        inputs.TEXT,
+        "",
+        "What the image shows.",
+        multiline=True,
+        setting=False,  # encode()'s
+        unset="a photo of a red cat in a garden",  # the command line's demo prompt
+        help="what the image shows",
+    ),
+    inputs.Input(
+        "negative_prompt",
+        inputs.TEXT,
+        "",
+        "What to steer away from (may be empty).",
+        multiline=True,
+        setting=False,
+        flags=("--negative-prompt", "--negative"),
+        help="what to steer away from (`--negative` before)",
+    ),
+    # `--t5-quant` is the command line's name of earlier versions.
+    inputs.quantization(TEXT_ENCODER_SCHEMES, "T5's weights.", flags=("--t5-quantization", "--t5-quant")),
+    inputs.KEEP_LOADED,
+    inputs.slot("t5_file", optional=True),
+    # The help of the command line's one --low-vram, which every stage's low_vram follows.
+    inputs.low_vram(
+        "T5's 24 layers",
+        help="stream T5 layers and transformer blocks from CPU memory and decode in tiles (< 1 GB at 1024²)",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -41,11 +73,11 @@ class EncoderSettings:
     ``keep_loaded`` keeps T5 for the next prompt instead of unloading it."""
 
     model: ModelSource
-    quantization: str = DEFAULT_QUANTIZATION
+    quantization: str = INPUTS.field_default("quantization")
     device: torch.device | str | None = None
     precision: str | torch.dtype | None = None
-    keep_loaded: bool = False
-    low_vram: bool = False
+    keep_loaded: bool = INPUTS.field_default("keep_loaded")
+    low_vram: bool = INPUTS.field_default("low_vram")
     t5_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
     tokenizer_fallback: Path | None = None
@@ -54,8 +86,7 @@ class EncoderSettings:
     weights: ModelSource | T5File = field(init=False)
 
     def __post_init__(self) -> None:
-        check_flag("keep_loaded", self.keep_loaded)
-        check_flag("low_vram", self.low_vram)
+        INPUTS.check(self)
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
         device = as_device(self.device)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, memory, streaming
+from . import estimates, inputs, memory, streaming
 from .cache import cache
-from .contract import ProgressCallback, check_flag, check_latent_tensor
+from .contract import ProgressCallback, check_latent_tensor
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, check_weights, read_single_file_header
@@ -57,6 +57,26 @@ SDXL_VAE_CONFIG = {
 }
 
 
+# The decode stage's inputs in its node's order (see inputs.py).
+INPUTS = inputs.Inputs(
+    inputs.slot("model"),
+    inputs.slot("latent"),
+    inputs.KEEP_LOADED,
+    inputs.Input(
+        "tiling",
+        inputs.CHOICE,
+        TILING[0],
+        f"auto: decode in {TILE_SIZE}-px tiles when the whole image would not fit in free GPU memory (about "
+        "1.9 GiB at 1024²; tiles need 0.9 GiB). on: always tile. off: never.",
+        choices=TILING,
+        optional=True,
+        help="VAE decode in tiles (auto: when short of memory)",
+    ),
+    # New inputs go last: saved workflows list widget values by position.
+    inputs.slot("vae_file", optional=True),
+)
+
+
 def check_latents(samples: object) -> None:
     check_latent_tensor(
         samples,
@@ -92,16 +112,14 @@ class DecoderSettings:
     model: ModelSource
     device: torch.device | str | None = None
     precision: str | torch.dtype | None = None
-    keep_loaded: bool = False
-    tiling: str = "auto"
+    keep_loaded: bool = INPUTS.field_default("keep_loaded")
+    tiling: str = INPUTS.field_default("tiling")
     tile_size: int = TILE_SIZE
     vae_file: str | os.PathLike | None = None
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        check_flag("keep_loaded", self.keep_loaded)
-        if self.tiling not in TILING:
-            raise ValueError(f"tiling {self.tiling!r} is unknown; choose one of {', '.join(TILING)}.")
+        INPUTS.check(self)
         tile = self.tile_size
         if isinstance(tile, bool) or not isinstance(tile, int) or tile < MIN_TILE_SIZE or tile % 8:
             raise ValueError(

@@ -16,7 +16,7 @@ import torch
 from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
-from ..core import memory, quant, quant_cache
+from ..core import inputs, memory, quant_cache
 from ..core.cache import cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
 from . import memory_manager
@@ -64,33 +64,55 @@ def model_input() -> io.Combo.Input:
     )
 
 
-def keep_loaded_input() -> io.Boolean.Input:
-    return io.Boolean.Input(
-        "keep_loaded",
-        default=False,
-        tooltip="Keep the model on the GPU for the next prompt instead of moving it to host memory when done. "
-        "It is one of ComfyUI's models while kept: ComfyUI moves it to CPU memory when it needs the GPU's room "
-        "(another model's load, Unload Models) and the next prompt moves it back instead of loading it again; "
-        "Free VRAM, Free model and node cache, or a prompt without the pack's nodes drops it.",
-    )
+# What a declared input's tooltip adds in ComfyUI (core's tooltips speak of stages, not of ComfyUI).
+COMFYUI_TOOLTIPS = {
+    "keep_loaded": "It is one of ComfyUI's models while kept: ComfyUI moves it to CPU memory when it needs the "
+    "GPU's room (another model's load, Unload Models) and the next prompt moves it back instead of loading it "
+    "again; Free VRAM, Free model and node cache, or a prompt without the pack's nodes drops it.",
+}
+_WIDGETS = {
+    inputs.INT: io.Int,
+    inputs.FLOAT: io.Float,
+    inputs.BOOL: io.Boolean,
+    inputs.CHOICE: io.Combo,
+    inputs.TEXT: io.String,
+}
 
 
-def quantization_input(offered: dict[str, quant.Scheme]) -> io.Combo.Input:
-    """A stage's quantization choice, its options and tooltip from the stage's scheme table."""
-    return io.Combo.Input(
-        "quantization", options=list(offered), default=next(iter(offered)), tooltip=quant.tooltip(offered)
-    )
+def widget(declared: inputs.Input) -> io.Input:
+    """ComfyUI's input for a stage input core declares: its kind, default, range or options, tooltip and
+    optional flag as declared."""
+    tooltip = " ".join(filter(None, (declared.tooltip, COMFYUI_TOOLTIPS.get(declared.name))))
+    given = {"default": declared.default, "optional": declared.optional, "tooltip": tooltip}
+    if declared.kind == inputs.CHOICE:
+        given["options"] = declared.options()
+    if declared.multiline:
+        given["multiline"] = True
+    if declared.control_after_generate:
+        given["control_after_generate"] = True
+    for name in ("min", "max", "step", "round"):
+        if getattr(declared, name) is not None:
+            given[name] = getattr(declared, name)
+    return _WIDGETS[declared.kind].Input(declared.name, **given)
 
 
-def low_vram_input(what: str) -> io.Boolean.Input:
-    return io.Boolean.Input(
-        "low_vram",
-        default=False,
-        optional=True,
-        tooltip=f"Keep {what} in CPU memory and stream them to the GPU one at a time as they run: a few "
-        "hundred MB of VRAM instead of the whole model, somewhat slower. With the VAE's tiling on, a "
-        "1024² image stays under 1 GB.",
-    )
+def node_inputs(table: inputs.Inputs, **own: io.Input) -> list[io.Input]:
+    """A node's inputs in its stage table's order: each declared input as :func:`widget` makes it, each slot
+    the node's own input of that name (``own``: linked types, choices among ComfyUI's folders)."""
+    made = []
+    for declared in table:
+        if declared.kind != inputs.SLOT:
+            made.append(widget(declared))
+            continue
+        mine = own.pop(declared.name)
+        if mine.id != declared.name or bool(mine.optional) != declared.optional:
+            raise ValueError(
+                f"the node's input {mine.id!r} does not fill the slot {declared.name!r} as declared"
+            )
+        made.append(mine)
+    if own:
+        raise ValueError(f"{', '.join(own)}: not slots of this node's inputs")
+    return made
 
 
 def quant_cache_dir() -> Path:

@@ -4,7 +4,6 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..core import lora, sampler
-from ..core.quant import TRANSFORMER_SCHEMES
 from . import common, int8_model
 from .sampler import transformer_file_input, transformer_path
 
@@ -21,11 +20,9 @@ class PixArtInt8ModelLoader(io.ComfyNode):
             "ComfyUI MODEL: core's KSampler, SamplerCustomAdvanced, LoraLoaderModelOnly and model patches take "
             "it, and ComfyUI's model management loads, offloads and frees it. LoRAs apply at run time over the "
             "int8 weights. Condition it with Quantized T5 Encode's CONDITIONING outputs.",
-            inputs=[
-                common.model_input(),
-                common.quantization_input(TRANSFORMER_SCHEMES),
-                transformer_file_input(),
-            ],
+            inputs=common.node_inputs(
+                sampler.LOADER_INPUTS, model=common.model_input(), transformer_file=transformer_file_input()
+            ),
             outputs=[
                 io.Model.Output(
                     tooltip="The transformer as a ComfyUI MODEL (PixArt-Σ, SDXL latents: decode with the SDXL "
@@ -35,13 +32,13 @@ class PixArtInt8ModelLoader(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, quantization, transformer_file=common.FROM_MODEL) -> io.NodeOutput:
+    def execute(cls, model, transformer_file=common.FROM_MODEL, **given) -> io.NodeOutput:
         settings = sampler.SamplerSettings(
             common.resolve(model),
-            quantization=quantization,
             device=common.device(),
             transformer_file=transformer_path(transformer_file),
             quant_cache=common.quant_cache_dir(),
+            **sampler.LOADER_INPUTS.settings_values(given),
         )
         with common.comfy_advice():
             return io.NodeOutput(int8_model.load(settings))

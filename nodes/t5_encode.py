@@ -7,7 +7,6 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..core import conditioning, text_encoder
-from ..core.quant import TEXT_ENCODER_SCHEMES
 from . import common, memory_manager
 
 
@@ -37,18 +36,10 @@ class QuantizedT5Encode(memory_manager.HoldsModels, io.ComfyNode):
             "(or 8-bit) with bitsandbytes, then unloads T5. T5 comes from the model's folder or from a "
             "single T5-XXL file in models/text_encoders. The embeddings stay on the CPU; positive and negative "
             "offer them as core CONDITIONING for ComfyUI's own PixArt-Σ model and KSampler.",
-            inputs=[
-                common.model_input(),
-                io.String.Input("prompt", multiline=True, default="", tooltip="What the image shows."),
-                io.String.Input(
-                    "negative_prompt",
-                    multiline=True,
-                    default="",
-                    tooltip="What to steer away from (may be empty).",
-                ),
-                common.quantization_input(TEXT_ENCODER_SCHEMES),
-                common.keep_loaded_input(),
-                io.Combo.Input(
+            inputs=common.node_inputs(
+                text_encoder.INPUTS,
+                model=common.model_input(),
+                t5_file=io.Combo.Input(
                     "t5_file",
                     options=[common.FROM_MODEL, *t5_files()],
                     default=common.FROM_MODEL,
@@ -58,8 +49,7 @@ class QuantizedT5Encode(memory_manager.HoldsModels, io.ComfyNode):
                     "it loads, no second copy of T5 needed. The tokenizer still comes from the model's folder, "
                     "or from ComfyUI's own T5 tokenizer when the folder has none.",
                 ),
-                common.low_vram_input("T5's 24 layers"),
-            ],
+            ),
             outputs=[
                 common.PixArtEmbeds.Output(
                     display_name="embeds",
@@ -81,28 +71,17 @@ class QuantizedT5Encode(memory_manager.HoldsModels, io.ComfyNode):
         )
 
     @classmethod
-    def execute(
-        cls,
-        model,
-        prompt,
-        negative_prompt,
-        quantization,
-        keep_loaded,
-        t5_file=common.FROM_MODEL,
-        low_vram=False,
-    ) -> io.NodeOutput:
+    def execute(cls, model, prompt, negative_prompt, t5_file=common.FROM_MODEL, **given) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         settings = text_encoder.EncoderSettings(
             common.resolve(model),
-            quantization=quantization,
             device=common.device(),
-            keep_loaded=keep_loaded,
-            low_vram=low_vram,
             t5_file=None
             if t5_file == common.FROM_MODEL
             else folder_paths.get_full_path_or_raise("text_encoders", t5_file),
             quant_cache=common.quant_cache_dir(),
             tokenizer_fallback=comfy_t5_tokenizer(),
+            **text_encoder.INPUTS.settings_values(given),
         )
         warnings: list[str] = []
         with common.comfy_advice():

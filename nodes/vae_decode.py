@@ -17,20 +17,13 @@ class PixArtVAEDecode(memory_manager.HoldsModels, io.ComfyNode):
             display_name="VAE Decode (PixArt-Σ)",
             category=common.CATEGORY,
             description="Decodes a LATENT with the PixArt-Σ model's VAE (the SDXL VAE), then unloads it.",
-            inputs=[
-                common.model_input(),
-                io.Latent.Input("latent", tooltip="From Quanto PixArt Sampler or any SDXL-format LATENT."),
-                common.keep_loaded_input(),
-                io.Combo.Input(
-                    "tiling",
-                    options=list(vae.TILING),
-                    default=vae.TILING[0],
-                    optional=True,
-                    tooltip=f"auto: decode in {vae.TILE_SIZE}-px tiles when the whole image would not fit in free "
-                    "GPU memory (about 1.9 GiB at 1024²; tiles need 0.9 GiB). on: always tile. off: never.",
+            inputs=common.node_inputs(
+                vae.INPUTS,
+                model=common.model_input(),
+                latent=io.Latent.Input(
+                    "latent", tooltip="From Quanto PixArt Sampler or any SDXL-format LATENT."
                 ),
-                # New inputs go last: saved workflows list widget values by position.
-                io.Combo.Input(
+                vae_file=io.Combo.Input(
                     "vae_file",
                     options=[common.FROM_MODEL, *vae_files()],
                     default=common.FROM_MODEL,
@@ -39,7 +32,7 @@ class PixArtVAEDecode(memory_manager.HoldsModels, io.ComfyNode):
                     "original or diffusers key layout), decoding with the model folder's VAE config; "
                     f"{common.FROM_MODEL} uses the model's own vae/.",
                 ),
-            ],
+            ),
             outputs=[io.Image.Output(tooltip="Images [batch, height, width, 3], 0..1, on the CPU.")],
             hidden=[io.Hidden.dynprompt],
         )
@@ -53,15 +46,14 @@ class PixArtVAEDecode(memory_manager.HoldsModels, io.ComfyNode):
         return f"vae_file {vae_file!r} is not in ComfyUI's vae folders. {vae.VAE_FILE_HINT}"
 
     @classmethod
-    def execute(cls, model, latent, keep_loaded, tiling="auto", vae_file=common.FROM_MODEL) -> io.NodeOutput:
+    def execute(cls, model, latent, vae_file=common.FROM_MODEL, **given) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
         samples = latent.get("samples") if isinstance(latent, dict) else latent
         settings = vae.DecoderSettings(
             common.resolve(model),
             device=common.device(),
-            keep_loaded=keep_loaded,
-            tiling=tiling,
             vae_file=None if vae_file in (None, common.FROM_MODEL, LEGACY_FROM_MODEL) else vae_path(vae_file),
+            **vae.INPUTS.settings_values(given),
         )
         with common.comfy_advice():
             images = vae.decode(settings, samples, report=report, on_progress=common.stage_progress())

@@ -34,6 +34,7 @@ from comfyui_support import (
     strip_colour,
 )
 from PIL import Image
+from test_inputs import STAGES
 from test_workflows import (
     ANY,
     API_FILES,
@@ -48,11 +49,19 @@ from test_workflows import (
     widgets_of,
 )
 
+from pixart_lowvram.core import inputs
 from pixart_lowvram.core.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+DECLARED_KINDS = {
+    inputs.INT: "INT",
+    inputs.FLOAT: "FLOAT",
+    inputs.BOOL: "BOOLEAN",
+    inputs.CHOICE: "COMBO",
+    inputs.TEXT: "STRING",
+}
 # ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
 # (a division by zero): a workflow through core's KSampler runs the tiny model at this size (its Empty
 # Latent Image), not the native SIZE.
@@ -115,6 +124,28 @@ def test_cpu_tier_tables_match_object_info(server):
         assert outputs_fit(kind, SOCKETS[kind][1], outputs), kind
     for kind in VIRTUAL:
         assert kind not in info, f"{kind} is a frontend-only node (left out of API prompts)"
+
+
+def test_declared_inputs_match_object_info(server):
+    """Every input core declares (test_inputs.py's STAGES) is the node's: its kind, default, range,
+    options, optional flag and tooltip (ComfyUI's words may follow it)."""
+    info = server.get("/object_info")
+    for node, table in STAGES.items():
+        for item in table.declared:
+            section = "optional" if item.optional else "required"
+            kind, options = info[node]["input"][section][item.name]
+            assert kind == DECLARED_KINDS[item.kind], (node, item.name)
+            assert options["default"] == item.default, (node, item.name)
+            assert options["tooltip"].startswith(item.tooltip), (node, item.name)
+            for key in ("min", "max", "step", "round"):
+                assert options.get(key) == getattr(item, key), (node, item.name, key)
+            if item.kind == inputs.CHOICE:
+                assert options["options"] == item.options(), (node, item.name)
+            assert options.get("multiline", False) == item.multiline, (node, item.name)
+            assert options.get("control_after_generate", False) == item.control_after_generate, (
+                node,
+                item.name,
+            )
 
 
 def outputs_fit(kind: str, saved: list, declared: list) -> bool:
