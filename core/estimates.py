@@ -5,7 +5,6 @@
 Measured on PixArt-Σ XL at 1024², batch 1, cfg on (benchmarks/results/results.md, peaks allocated); the
 run's part scales with pixels × batch. Smaller models get the XL figures: asking for too much room only
 unloads more of the host's models than needed, asking for too little can run out of memory.
-The VAE's figures live in vae.py beside its tiling estimate.
 """
 
 from __future__ import annotations
@@ -31,6 +30,16 @@ T5_STREAMED_EXTRA = int(0.2 * GIB)  # quantization state, final norm, activation
 # What low-VRAM mode holds a stage to: a model whose whole weights and run fit is kept whole on the device
 # for its run (the int8 transformer at 1024²: 0.85 GiB measured), a larger one streams its blocks (T5-XXL in nf4).
 LOW_VRAM_BUDGET = 1 * GIB
+
+# An untiled SDXL-VAE decode holds about this many activation bytes per output pixel and per byte of
+# its dtype (measured on an H200: 1.72 GiB over the weights at 1024² in bf16, its convolutions in strips),
+# plus a margin.
+VAE_ACTIVATION_BYTES_PER_PIXEL = 950
+# A tiled decode at 512-pixel tiles (vae.TILE_SIZE) peaked at 0.80 GiB in bf16, 0.16 GiB of it the weights
+# (84 M parameters).
+VAE_PARAMETERS = 84_000_000
+VAE_MEASURED_TILE = 512
+VAE_TILED_WORK_BYTES_PER_PIXEL = 0.64 * GIB / VAE_MEASURED_TILE**2 / 2  # per tile pixel and dtype byte
 
 
 @dataclass(frozen=True)
@@ -75,3 +84,21 @@ def transformer(
     if dense:
         work += TRANSFORMER_PARAMETERS * dtype.itemsize
     return weights, work
+
+
+def vae_decode(work: Workload, dtype: torch.dtype) -> tuple[int, int]:
+    """(weights, work) of a VAE decode: untiled, its activations per output pixel; tiled, per tile."""
+    weights = VAE_PARAMETERS * dtype.itemsize
+    if work.tile is None:
+        return weights, work.images * work.pixels * dtype.itemsize * VAE_ACTIVATION_BYTES_PER_PIXEL
+    return weights, int(work.images * work.tile * work.tile * dtype.itemsize * VAE_TILED_WORK_BYTES_PER_PIXEL)
+
+
+def vae_needs(samples: torch.Tensor, dtype: torch.dtype, tile: int | None) -> tuple[int, int]:
+    """(weights, work) of a decode of ``samples``, whole or in tiles of ``tile`` pixels."""
+    return vae_decode(Workload.of(samples, tile), dtype)
+
+
+def vae_untiled_bytes(samples: torch.Tensor, dtype: torch.dtype) -> int:
+    """Estimated activation memory of an untiled decode of ``samples``."""
+    return vae_decode(Workload.of(samples), dtype)[1]

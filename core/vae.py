@@ -22,16 +22,9 @@ TILE_SIZE = (
     512  # pixels; diffusers' default tile is the config's sample_size (1024), too big to engage at 1024²
 )
 MIN_TILE_SIZE = 64
-# An untiled SDXL-VAE decode holds about this many activation bytes per output pixel and per byte of
-# its dtype (measured on an H200: 1.72 GiB over the weights at 1024² in bf16, its convolutions in strips),
-# plus a margin.
-ACTIVATION_BYTES_PER_PIXEL = 950
 # A decoder convolution's input larger than this is convolved in horizontal strips of at most this size
 # (StripConv2d).
 STRIP_BYTES = 64 * 2**20
-# A tiled decode at TILE_SIZE peaked at 0.80 GiB in bf16, 0.16 GiB of it the weights (84 M parameters).
-VAE_PARAMETERS = 84_000_000
-TILED_WORK_BYTES_PER_PIXEL = 0.64 * estimates.GIB / TILE_SIZE**2 / 2  # per tile pixel and dtype byte
 
 CONV_IN = "decoder.conv_in.weight"  # the same name in both key layouts
 VAE_FILE_HINT = (
@@ -147,7 +140,7 @@ class DecoderSettings:
 
     def device_bytes(self, work: Workload) -> tuple[int, int]:
         """(weights, work) bytes of a decode of ``work``, whole or in its tiles."""
-        return decode_bytes(work, self.dtype)
+        return estimates.vae_decode(work, self.dtype)
 
     def out_of_memory_advice(self) -> str:
         steps = [] if self.tiling == "on" else ["set tiling to on"]
@@ -247,31 +240,13 @@ def decode_in_place(model) -> int:
     return changed
 
 
-def untiled_bytes(samples: torch.Tensor, dtype: torch.dtype) -> int:
-    """Estimated activation memory of an untiled decode of ``samples``."""
-    return decode_bytes(Workload.of(samples), dtype)[1]
-
-
-def needs(samples: torch.Tensor, dtype: torch.dtype, tile: int | None) -> tuple[int, int]:
-    """(weights, work) of a decode of ``samples``, whole or in tiles of ``tile`` pixels."""
-    return decode_bytes(Workload.of(samples, tile), dtype)
-
-
-def decode_bytes(work: Workload, dtype: torch.dtype) -> tuple[int, int]:
-    """(weights, work) of a decode: untiled, its activations per output pixel; tiled, per tile."""
-    weights = VAE_PARAMETERS * dtype.itemsize
-    if work.tile is None:
-        return weights, work.images * work.pixels * dtype.itemsize * ACTIVATION_BYTES_PER_PIXEL
-    return weights, int(work.images * work.tile * work.tile * dtype.itemsize * TILED_WORK_BYTES_PER_PIXEL)
-
-
 def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
     """``auto`` tiles when the untiled decode would not fit in the device's free memory."""
     if tiling != "auto":
         return tiling == "on"
     if not memory.cuda_in_use(device):
         return False
-    return untiled_bytes(samples, dtype) > memory.device_room(device)
+    return estimates.vae_untiled_bytes(samples, dtype) > memory.device_room(device)
 
 
 def decode(
