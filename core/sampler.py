@@ -29,9 +29,10 @@ from .contract import (
 )
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
-from .models import ModelSource, TransformerFile, check_weights, read_transformer_file
+from .models import ModelSource, check_weights
 from .quant import TRANSFORMER_SCHEMES, Scheme, choose
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
+from .single_files import TransformerFile, read_transformer_file
 
 logger = logging.getLogger(__name__)
 

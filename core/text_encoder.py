@@ -17,8 +17,9 @@ from .cache import cache
 from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, warn
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
-from .models import ModelSource, T5File, check_weights, read_t5_file
+from .models import ModelSource, check_weights
 from .quant import TEXT_ENCODER_SCHEMES, Scheme, choose
+from .single_files import T5File, read_t5_file
 
 logger = logging.getLogger(__name__)
 

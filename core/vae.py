@@ -15,7 +15,8 @@ from .cache import cache
 from .contract import ProgressCallback, check_latent_tensor
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
-from .models import ModelSource, check_weights, read_single_file_header
+from .models import ModelSource, check_weights
+from .single_files import read_single_file_header
 
 TILING = ("auto", "on", "off")
 TILE_SIZE = (

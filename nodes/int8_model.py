@@ -32,9 +32,9 @@ import torch
 from comfy.patcher_extension import CallbacksMP
 
 from ..core import estimates, memory
-from ..core.models import CAPTION_TOKENS
 from ..core.quant import quanto
 from ..core.sampler import SamplerSettings, quantized_transformer
+from ..core.single_files import CAPTION_TOKENS
 
 logger = logging.getLogger(__name__)
 

@@ -78,6 +78,7 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
             "quant.quanto",
             "random_model",
             "sampler",
+            "single_files",
             "text_encoder",
             "vae",
         )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from pixart_lowvram.core.models import read_t5_file
 from pixart_lowvram.core.random_model import PRESETS, save_single_file_t5
+from pixart_lowvram.core.single_files import read_t5_file
 
 
 def test_t5_file_holds_the_folders_weights_in_the_t5xxl_layout(tiny_folder, tmp_path):

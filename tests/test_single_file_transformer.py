@@ -20,10 +20,10 @@ from pixart_lowvram.core.models import (
     CONFIG_FILES,
     HUB_1024,
     HUB_IDS,
-    read_transformer_file,
     resolve_model,
 )
 from pixart_lowvram.core.random_model import CAPTION_TOKENS, save_single_file_transformer
+from pixart_lowvram.core.single_files import read_transformer_file
 
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 SIZE = 64  # the tiny model's native size
