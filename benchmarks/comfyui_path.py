@@ -68,7 +68,7 @@ def write_models_tree(model_dir: Path, tree: Path) -> None:
     """The diffusers folder's weights as the single files core's loaders read (once; reused if present)."""
     import torch
 
-    from pixart_lowvram.core.random_model import save_single_file_t5, save_single_file_transformer
+    from pixart_lowvram.cli.random_model import save_single_file_t5, save_single_file_transformer
 
     paths = {folder: tree / folder / name for folder, name in FILES.items()}
     if not paths["text_encoders"].is_file():

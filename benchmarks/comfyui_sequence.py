@@ -11,7 +11,7 @@ The steps, in order (each one bounded by a timeout; a failed step does not stop 
      (ComfyUI's own optional nodes that fail to import for a missing package, e.g. comfy_extras/
      nodes_audio.py without torchaudio, log a Traceback too: those are counted apart, as the environment's);
   2. every bundled API workflow (example_workflows/api/*_api.json) succeeds: model, size and steps set with
-     the client's override helpers (core/client.py), keep_loaded as bundled;
+     the client's override helpers (cli/client.py), keep_loaded as bundled;
   3. keep_loaded on in every node: two prompts;
   4. POST /free (unload_models, free_memory): ComfyUI moves the three kept models off the device (the log's
      "ComfyUI moved pack model" lines; /free is posted again every 10 s until they show: a /free that
@@ -72,7 +72,7 @@ from pathlib import Path
 import comfy_server
 from comfy_server import ServerError
 
-from pixart_lowvram.core import client as api
+from pixart_lowvram.cli import client as api
 
 REPO = comfy_server.REPO
 API_WORKFLOWS = REPO / "example_workflows" / "api"

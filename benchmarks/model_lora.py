@@ -134,8 +134,8 @@ def merged_oracle(model_dir: Path, lora_path: Path, embeds, settings, seed: int)
     from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
     from safetensors.torch import load_file
 
+    from pixart_lowvram.cli.random_model import LORA_FORMATS
     from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.random_model import LORA_FORMATS
 
     transformer = PixArtTransformer2DModel.from_pretrained(model_dir / "transformer", dtype=torch.float32)
     state = load_file(lora_path)
@@ -184,9 +184,9 @@ def main() -> None:
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
+    from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
     from pixart_lowvram.core import conditioning, lora, sampler
     from pixart_lowvram.core.models import resolve_model
-    from pixart_lowvram.core.random_model import build_random_pixart, save_random_lora
 
     if not (args.model_dir / "model_index.json").is_file():
         build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)

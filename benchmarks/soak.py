@@ -3,7 +3,7 @@ with the server's host memory and allocated GPU memory measured after each.
 
 Starts ComfyUI (``--comfyui``, default $COMFYUI_PATH) on 127.0.0.1 and a free port with the pack linked into
 a fresh base directory and ``--model-dir`` linked into its models/diffusers, or attaches to a running one
-(``--server``, loopback only). Prompts go through the pack's own client (``core/client.py``, as
+(``--server``, loopback only). Prompts go through the pack's own client (``cli/client.py``, as
 ``python -m pixart_lowvram queue`` uses it); each prompt's T5 text and seed differ, so every node runs every
 time. Bounded: ``--count`` prompts, ``--max-seconds`` in all, ``--prompt-timeout`` each.
 
@@ -59,7 +59,7 @@ from urllib.parse import urlsplit
 import comfy_server
 from comfy_server import ServerError
 
-from pixart_lowvram.core import client as api
+from pixart_lowvram.cli import client as api
 
 WORKFLOW = comfy_server.REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
 T5, SAMPLER, SNAPSHOT = "PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_MemorySnapshot"
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             result = soak(args, url, pid, args.model or args.model_dir.name)
         else:
             if args.random_preset:
-                from pixart_lowvram.core.random_model import ensure_random_pixart
+                from pixart_lowvram.cli.random_model import ensure_random_pixart
 
                 ensure_random_pixart(args.model_dir, args.random_preset)
             model = args.model or args.model_dir.name

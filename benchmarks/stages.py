@@ -159,7 +159,7 @@ def main() -> int:
             out.with_suffix(".profile.txt").write_text(text.getvalue())
         return 0
 
-    from pixart_lowvram.core.random_model import ensure_random_pixart
+    from pixart_lowvram.cli.random_model import ensure_random_pixart
 
     ensure_random_pixart(args.model_dir, "full", device="cuda", dtype=torch.bfloat16)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -404,7 +404,7 @@ def run_server(
     from PIL import Image
     from soak import without_snapshot
 
-    from pixart_lowvram.core import client as api
+    from pixart_lowvram.cli import client as api
 
     if config.get("core"):
         workflow, sets = core_workflow(), []

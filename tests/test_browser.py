@@ -20,7 +20,7 @@ import requests
 from comfyui_support import HTTP_TIMEOUT, MODEL, PROMPT_TIMEOUT, SIZE, STEPS, ComfyServer, running_server
 from test_workflows import UI_FILES, VIRTUAL, ids, read, widgets_of
 
-from pixart_lowvram.core.random_model import save_random_lora
+from pixart_lowvram.cli.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 

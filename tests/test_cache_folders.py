@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pixart_lowvram.core import cli, folders, quant_cache, sampler, text_encoder
+from pixart_lowvram.cli import main as cli
+from pixart_lowvram.core import folders, quant_cache, sampler, text_encoder
 
 
 def unwritable(tmp_path: Path) -> Path:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pixart_lowvram.core import cli
+from pixart_lowvram.cli import main as cli
 
 
 def run_cli(*args: str, home: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -90,7 +90,7 @@ def test_only_the_queue_command_needs_the_http_libraries(tmp_path):
     # must not import them.
     code = (
         "import sys; sys.modules['requests'] = None; sys.modules['websocket'] = None\n"
-        "from pixart_lowvram.core.cli import main\n"
+        "from pixart_lowvram.cli.main import main\n"
         "raise SystemExit(main(['cache', '--dir', sys.argv[1]]))"
     )
     proc = subprocess.run(

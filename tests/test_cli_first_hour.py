@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import cli, commands, devices, quant_cache, sampler, text_encoder
+from pixart_lowvram.cli import commands
+from pixart_lowvram.cli import main as cli
+from pixart_lowvram.core import devices, quant_cache, sampler, text_encoder
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # > 300 tokens
 
@@ -204,7 +206,7 @@ def test_a_long_prompt_warns_once_in_a_few_lines(tiny, caplog):
 def test_core_messages_name_no_node_of_the_pack():
     """The ComfyUI-free core speaks of options and stages; the node adapters add ComfyUI's own words.
     (client.py is the API client for ComfyUI's server: it maps the nodes' old names in saved workflows.)"""
-    core = Path(cli.__file__).parent
+    core, command_line = Path(devices.__file__).parent, Path(cli.__file__).parent
     names = (
         "Quantized T5 Encode",
         "Quanto PixArt Sampler",
@@ -212,7 +214,7 @@ def test_core_messages_name_no_node_of_the_pack():
         "Free VRAM",
         "(model folder)",
     )
-    for path in (p for p in core.rglob("*.py") if p.name != "client.py"):
+    for path in (p for folder in (core, command_line) for p in folder.rglob("*.py") if p.name != "client.py"):
         text = path.read_text(encoding="utf-8")
         for name in names:
             assert name not in text, f"{path.name} names {name!r}"

@@ -72,7 +72,7 @@ def test_ctrl_c_while_torch_and_diffusers_import(tiny_folder, tmp_path):
         "demo", "--model-dir", str(tiny_folder), "--out", str(tmp_path / "out"), "--device", "cpu",
         cwd=tmp_path, python=("-X", "importtime"),
     )  # fmt: skip
-    running.wait_for(r"pixart_lowvram\.core\.cli\n(?:.*\n)*?.*\|\s+torch\b")
+    running.wait_for(r"pixart_lowvram\.cli\.main\n(?:.*\n)*?.*\|\s+torch\b")
     err = running.interrupt()
     assert_interrupted(running, err)
     # (-X importtime logs the imports the interrupt unwound too, so their lines do not tell when it came.)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from pixart_lowvram.core import client
-from pixart_lowvram.core.client import ClientError, apply_overrides, check_workflow, expand
+from pixart_lowvram.cli import client
+from pixart_lowvram.cli.client import ClientError, apply_overrides, check_workflow, expand
 
 REPO = Path(__file__).resolve().parents[1]
 API_WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"

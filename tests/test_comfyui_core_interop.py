@@ -17,10 +17,10 @@ from comfyui_support import MODEL, running_server
 from safetensors.torch import load_file, save_file
 from transformers import T5Config, T5EncoderModel
 
+from pixart_lowvram.cli.random_model import build_random_pixart, save_single_file_transformer
 from pixart_lowvram.core import text_encoder
 from pixart_lowvram.core.conditioning import core_conditioning
 from pixart_lowvram.core.models import resolve_model
-from pixart_lowvram.core.random_model import build_random_pixart, save_single_file_transformer
 
 pytestmark = pytest.mark.comfyui
 

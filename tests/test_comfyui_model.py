@@ -14,7 +14,7 @@ import requests
 from comfyui_support import HTTP_TIMEOUT, MODEL, REPO, STEPS, node_id, running_server
 from PIL import Image
 
-from pixart_lowvram.core.random_model import save_random_lora
+from pixart_lowvram.cli.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui
 

@@ -389,7 +389,7 @@ def t5_file(server) -> str:
     from safetensors.torch import save_file
     from transformers import T5Config, T5EncoderModel
 
-    from pixart_lowvram.core.random_model import PRESETS
+    from pixart_lowvram.cli.random_model import PRESETS
 
     torch.manual_seed(0)
     config = T5Config(

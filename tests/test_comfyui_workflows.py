@@ -49,8 +49,8 @@ from test_workflows import (
     widgets_of,
 )
 
+from pixart_lowvram.cli.random_model import save_random_lora
 from pixart_lowvram.core import inputs
-from pixart_lowvram.core.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 

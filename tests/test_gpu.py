@@ -407,8 +407,8 @@ def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
     GPU holds what it held before (no expanded or patched weight stays)."""
     import dataclasses
 
+    from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora, memory
-    from pixart_lowvram.core.random_model import save_random_lora
 
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
     settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization="qint8")

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from pixart_lowvram.core import cli, sampler, text_encoder, vae
+from pixart_lowvram.cli import main as cli
+from pixart_lowvram.core import sampler, text_encoder, vae
 from pixart_lowvram.core.cache import (
     HOST_BUDGET_ENV,
     ModelCache,

@@ -1,4 +1,5 @@
-"""core/ never imports ComfyUI, and importing the pack has no side effects (no CUDA initialisation)."""
+"""core/ and cli/ never import ComfyUI, core/ and nodes/ never import cli/, and importing the pack has no side
+effects (no CUDA initialisation)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,19 @@ PROBE = textwrap.dedent(
     for info in pkgutil.walk_packages(pixart_lowvram.core.__path__, "pixart_lowvram.core."):
         importlib.import_module(info.name)
         imported.append(info.name)
+    cli_loaded_by_core = sorted(m for m in sys.modules if m.startswith("pixart_lowvram.cli"))
+
+    import pixart_lowvram.cli
+
+    imported.append("pixart_lowvram.cli")
+    for info in pkgutil.walk_packages(pixart_lowvram.cli.__path__, "pixart_lowvram.cli."):
+        importlib.import_module(info.name)
+        imported.append(info.name)
 
     print(json.dumps({
         "imported": imported,
         "attempts": attempts,
+        "cli_loaded_by_core": cli_loaded_by_core,
         "comfy_loaded": sorted(
             m for m in sys.modules if m.split(".")[0] in BLOCKED
         ),
@@ -62,12 +72,10 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    expected = {
+    expected = {f"pixart_lowvram.cli.{name}" for name in ("client", "commands", "main", "random_model")} | {
         f"pixart_lowvram.core.{name}"
         for name in (
             "cache",
-            "cli",
-            "client",
             "devices",
             "memory",
             "models",
@@ -76,17 +84,38 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
             "quant.base",
             "quant.bitsandbytes",
             "quant.quanto",
-            "random_model",
             "sampler",
             "single_files",
             "text_encoder",
             "vae",
         )
     }
-    assert expected <= set(result["imported"]), "every core submodule is imported by the probe"
+    assert expected <= set(result["imported"]), "every core and cli submodule is imported by the probe"
+    assert result["cli_loaded_by_core"] == [], "core must not import the command line"
     assert result["attempts"] == [], f"core tried to import ComfyUI modules: {result['attempts']}"
     assert result["comfy_loaded"] == []
     assert result["cuda_initialized"] is False, "importing the pack must not initialise CUDA"
+
+
+def test_nodes_do_not_import_the_command_line():
+    """The nodes run inside ComfyUI: the command line, its API client and the test models stay out of it."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    for path, package in [(p, "pixart_lowvram.nodes") for p in sorted((root / "nodes").glob("*.py"))] + [
+        (root / "__init__.py", "pixart_lowvram")
+    ]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                module = ".".join(part for part in (base, node.module or "") if part)
+                names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            imported = [name for name in names if name.split(".")[:2] == ["pixart_lowvram", "cli"]]
+            assert imported == [], f"{path.name} imports {imported[0]}"
 
 
 def test_the_supported_comfyui_range():

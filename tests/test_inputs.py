@@ -15,7 +15,8 @@ import re
 import pytest
 from test_workflows import INPUT_ORDER, SOCKETS, WIDGETS
 
-from pixart_lowvram.core import commands, inputs, sampler, text_encoder, vae
+from pixart_lowvram.cli import commands
+from pixart_lowvram.core import inputs, sampler, text_encoder, vae
 
 # Each node of a stage and the table its inputs are made from.
 STAGES = {

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from pixart_lowvram.cli.random_model import LORA_FORMATS, LORA_LAYERS, save_random_lora
 from pixart_lowvram.core import lora, sampler, text_encoder
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_weights
-from pixart_lowvram.core.random_model import LORA_FORMATS, LORA_LAYERS, save_random_lora
 
 SIZE = 64
 FP32 = {"device": "cpu", "precision": torch.float32}
@@ -179,7 +179,7 @@ def test_sampler_with_a_lora_against_diffusers_with_it_merged(tiny, tiny_folder,
 
 
 def test_generate_takes_loras_on_the_command_line(tiny_folder, tmp_path, capsys):
-    from pixart_lowvram.core import cli
+    from pixart_lowvram.cli import main as cli
 
     path = lora_file(tiny_folder, tmp_path, scale=0.15)
     base = ["generate", "--model", str(tiny_folder), "--steps", "2", "--device", "cpu", "--no-snapshot"]

@@ -137,7 +137,8 @@ def test_low_vram_must_be_a_bool(tiny, reference, value):
 
 
 def test_cli_low_vram_streams_both_models_and_tiles_the_decode(tiny_folder, tmp_path, monkeypatch):
-    from pixart_lowvram.core import cli, vae
+    from pixart_lowvram.cli import main as cli
+    from pixart_lowvram.core import vae
 
     calls = {}
 

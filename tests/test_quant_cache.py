@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import quant_cache, random_model, sampler, text_encoder
+from pixart_lowvram.cli import random_model
+from pixart_lowvram.core import quant_cache, sampler, text_encoder
 from pixart_lowvram.core.models import resolve_model
 from pixart_lowvram.core.quant import QUANTO
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from pixart_lowvram.core.random_model import PRESETS, save_single_file_t5
+from pixart_lowvram.cli.random_model import PRESETS, save_single_file_t5
 from pixart_lowvram.core.single_files import read_t5_file
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pixart_lowvram.cli.random_model import CAPTION_TOKENS, save_single_file_transformer
 from pixart_lowvram.core import sampler, text_encoder, vae
 from pixart_lowvram.core.models import (
     CONFIG_FILES,
@@ -22,7 +23,6 @@ from pixart_lowvram.core.models import (
     HUB_IDS,
     resolve_model,
 )
-from pixart_lowvram.core.random_model import CAPTION_TOKENS, save_single_file_transformer
 from pixart_lowvram.core.single_files import read_transformer_file
 
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}

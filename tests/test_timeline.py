@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pixart_lowvram.core import cli, memory, timeline
+from pixart_lowvram.cli import main as cli
+from pixart_lowvram.core import memory, timeline
 from pixart_lowvram.core.memory import StageRecord
 
 MiB = 2**20

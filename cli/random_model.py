@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .models import MODEL_INDEX
-from .single_files import CAPTION_TOKENS, original_key_map
+from ..core.models import MODEL_INDEX
+from ..core.single_files import CAPTION_TOKENS, original_key_map
 
 logger = logging.getLogger(__name__)
 

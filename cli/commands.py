@@ -13,23 +13,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import (
+from ..core import (
     folders,
     inputs,
     lora,
     memory,
     outputs,
     quant_cache,
-    random_model,
     sampler,
     text_encoder,
     timeline,
     vae,
 )
-from .cache import cache
-from .devices import PRECISIONS, as_device
-from .models import HUB_IDS, ModelSource, resolve_model
-from .quant.bitsandbytes import quiet_optional_kernel_notice
+from ..core.cache import cache
+from ..core.devices import PRECISIONS, as_device
+from ..core.models import HUB_IDS, ModelSource, resolve_model
+from ..core.quant.bitsandbytes import quiet_optional_kernel_notice
+from . import random_model
 
 logger = logging.getLogger(__name__)
 
