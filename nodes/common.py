@@ -19,7 +19,7 @@ from comfy_execution.utils import get_executing_context
 from ..core import inputs, memory, quant_cache
 from ..core.cache import cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
-from . import memory_manager
+from . import comfy_models
 
 CATEGORY = "PixArt-Σ low VRAM"
 SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
@@ -47,7 +47,7 @@ Anything = io.Custom(_AnyType("*"))
 PASSED = "passed"
 
 # Kept models are entered in ComfyUI's memory manager, and each stage asks it for room before loading.
-memory_manager.install(cache)
+comfy_models.install(cache)
 
 
 def model_roots() -> list[str]:

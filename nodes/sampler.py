@@ -4,7 +4,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..core import contract, sampler, schedulers
-from . import common, memory_manager
+from . import comfy_models, common
 
 # validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
 # input that is not linked.
@@ -53,7 +53,7 @@ def transformer_file_input() -> io.Combo.Input:
     )
 
 
-class QuantoPixArtSampler(memory_manager.HoldsModels, io.ComfyNode):
+class QuantoPixArtSampler(comfy_models.HoldsModels, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

@@ -7,7 +7,7 @@ import folder_paths
 from comfy_api.latest import io, ui
 
 from ..core import conditioning, text_encoder
-from . import common, memory_manager
+from . import comfy_models, common
 
 
 def t5_files() -> list[str]:
@@ -25,7 +25,7 @@ def comfy_t5_tokenizer() -> Path:
     return Path(comfy.model_management.__file__).parent / "text_encoders" / "t5_tokenizer"
 
 
-class QuantizedT5Encode(memory_manager.HoldsModels, io.ComfyNode):
+class QuantizedT5Encode(comfy_models.HoldsModels, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

@@ -4,12 +4,12 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..core import vae
-from . import common, memory_manager
+from . import comfy_models, common
 
 LEGACY_FROM_MODEL = "(model folder)"  # vae_file's name for common.FROM_MODEL in earlier versions
 
 
-class PixArtVAEDecode(memory_manager.HoldsModels, io.ComfyNode):
+class PixArtVAEDecode(comfy_models.HoldsModels, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

@@ -292,10 +292,10 @@ def comfy_mm(monkeypatch):
     import comfy.model_management as mm
 
     from pixart_lowvram.core.cache import cache
-    from pixart_lowvram.nodes import memory_manager
+    from pixart_lowvram.nodes import comfy_models
 
     saved_host, saved_models = cache.host, list(mm.current_loaded_models)
-    memory_manager.install(cache)
+    comfy_models.install(cache)
     try:
         yield mm
     finally:
@@ -313,7 +313,7 @@ def use(key: str, keep: bool = True, device: str = "cpu", build=lambda: torch.nn
 
 
 def pack_entries(mm) -> list:
-    from pixart_lowvram.nodes.memory_manager import PackModelPatcher
+    from pixart_lowvram.nodes.comfy_models import PackModelPatcher
 
     return [entry for entry in mm.current_loaded_models if isinstance(entry.model, PackModelPatcher)]
 
@@ -398,25 +398,25 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
     (their objects take over), keeps them; dropping the last between prompts (/free with free_memory) or
     as a prompt without them starts lets go of them."""
     from pixart_lowvram.core.cache import cache
-    from pixart_lowvram.nodes import memory_manager
+    from pixart_lowvram.nodes import comfy_models
     from pixart_lowvram.nodes.sampler import QuantoPixArtSampler
     from pixart_lowvram.nodes.t5_encode import QuantizedT5Encode
     from pixart_lowvram.nodes.vae_decode import PixArtVAEDecode
 
     # The lease's node types are those of the nodes that hold it (their ids are written in both places).
     holders = (QuantizedT5Encode, QuantoPixArtSampler, PixArtVAEDecode)
-    assert all(issubclass(cls, memory_manager.HoldsModels) for cls in holders)
-    assert {cls.define_schema().node_id for cls in holders} == set(memory_manager.MODEL_NODES)
+    assert all(issubclass(cls, comfy_models.HoldsModels) for cls in holders)
+    assert {cls.define_schema().node_id for cls in holders} == set(comfy_models.MODEL_NODES)
 
     def fill():
         use("kept")
         use("waiting", keep=False)
         assert (len(cache), cache.pooled()) == (1, [("transformer", "waiting")])
 
-    assert memory_manager.LEASE.alive == 0
+    assert comfy_models.LEASE.alive == 0
     fill()
     encoder, sampler = QuantizedT5Encode(), QuantoPixArtSampler()
-    assert memory_manager.LEASE.alive == 2
+    assert comfy_models.LEASE.alive == 2
     del encoder
     gc.collect()
     assert (len(cache), len(cache.pooled())) == (1, 1)  # the sampler's object holds them
@@ -432,7 +432,7 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
         del node
         gc.collect()
         assert (len(cache), cache.pooled()) == (0, []), running
-    assert memory_manager.LEASE.alive == 0
+    assert comfy_models.LEASE.alive == 0
 
 
 def test_with_cache_none_no_model_waits_in_host_memory(comfy_mm, host_pool, monkeypatch):
@@ -440,10 +440,10 @@ def test_with_cache_none_no_model_waits_in_host_memory(comfy_mm, host_pool, monk
     from comfy.cli_args import args
 
     from pixart_lowvram.core.cache import cache
-    from pixart_lowvram.nodes import memory_manager
+    from pixart_lowvram.nodes import comfy_models
 
     monkeypatch.setattr(args, "cache_none", True)
-    memory_manager.install(cache)
+    comfy_models.install(cache)
     use("waiting", keep=False)
     assert cache.host_budget == 0 and cache.pooled() == []
 
