@@ -83,7 +83,7 @@ KEPT_MODELS = 3  # T5, transformer, VAE: what keep_loaded on every node keeps
 SDXL_VAE_FILE = "sdxl_vae.safetensors"
 MIB = 2**20
 
-# Log lines: the pack's (nodes/comfy_models.py, core/cache.py) and ComfyUI's (main.py, nodes.py).
+# Log lines: the pack's (nodes/comfy_models.py, core/pool.py) and ComfyUI's (main.py, nodes.py).
 MOVED = "ComfyUI moved pack model"
 REUSED = "reusing kept model"
 DYNAMIC_VRAM_ENABLED = "DynamicVRAM support detected and enabled"

@@ -231,7 +231,7 @@ def main() -> None:
             args.prompts,
         )
     )
-    from pixart_lowvram.core.cache import free_all
+    from pixart_lowvram.core.pool import free_all
 
     free_all()
 

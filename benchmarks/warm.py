@@ -234,7 +234,7 @@ def png_seconds(image: torch.Tensor) -> float:
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
     from pixart_lowvram.core import memory, models, sampler, text_encoder, vae
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
 
     cap(config.get("cap_gib"))
     source = models.resolve_model(str(model_dir))

@@ -25,9 +25,9 @@ from ..core import (
     timeline,
     vae,
 )
-from ..core.cache import cache
 from ..core.devices import PRECISIONS, as_device
 from ..core.models import HUB_IDS, ModelSource, resolve_model
+from ..core.pool import cache
 from ..core.quant.bitsandbytes import quiet_optional_kernel_notice
 from . import random_model
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from . import estimates, inputs, lora, memory, quant_cache, streaming
-from .cache import cache
 from .contract import (
     LATENT_CHANNELS,
     MAX_SIZE,
@@ -30,6 +29,7 @@ from .contract import (
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, check_weights
+from .pool import cache
 from .quant import TRANSFORMER_SCHEMES, Scheme, choose
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
 from .single_files import TransformerFile, read_transformer_file

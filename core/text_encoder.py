@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from . import estimates, inputs, memory, quant_cache, streaming
-from .cache import cache
 from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, warn
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, check_weights
+from .pool import cache
 from .quant import TEXT_ENCODER_SCHEMES, Scheme, choose
 from .single_files import T5File, read_t5_file
 

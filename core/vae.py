@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from . import estimates, inputs, memory, streaming
-from .cache import cache
 from .contract import ProgressCallback, check_latent_tensor
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, check_weights
+from .pool import cache
 from .single_files import read_single_file_header
 
 TILING = ("auto", "on", "off")

@@ -1,7 +1,7 @@
 """The pack's models as ComfyUI models: each one a real ``comfy.model_patcher.ModelPatcher``, placed with
 ComfyUI's own ``load_models_gpu``.
 
-Installed as the host of the pack's model cache (``core.cache``), :class:`ComfyModels` makes room for a
+Installed as the host of the pack's model cache (``core.pool``), :class:`ComfyModels` makes room for a
 fresh load with ``free_memory`` (asking nothing of Dynamic VRAM's models where the version has them: they
 give memory back on demand), wraps the loaded model in a :class:`PackModelPatcher` and hands it to
 ``load_models_gpu`` with the stage's working memory. From then on ComfyUI treats it as one of its own:
@@ -37,8 +37,8 @@ import torch
 from comfy.cli_args import args as comfy_args
 
 from ..core import streaming
-from ..core.cache import ModelCache, cache
 from ..core.memory import format_bytes
+from ..core.pool import ModelCache, cache
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
 
 
 class ComfyModels:
-    """The cache's host (``core.cache.CacheHost``) inside ComfyUI."""
+    """The cache's host (``core.pool.CacheHost``) inside ComfyUI."""
 
     def make_room(self, needs: int, device: torch.device) -> None:
         # As load_models_gpu does for core models: CPU memory is not managed, and the reserve ComfyUI

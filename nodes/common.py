@@ -17,8 +17,8 @@ from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
 from ..core import inputs, memory, quant_cache
-from ..core.cache import cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
+from ..core.pool import cache
 from . import comfy_models
 
 CATEGORY = "PixArt-Σ low VRAM"

@@ -5,7 +5,7 @@ import time
 import comfy.model_management
 from comfy_api.latest import io, ui
 
-from ..core.cache import free_all
+from ..core.pool import free_all
 from . import common
 
 

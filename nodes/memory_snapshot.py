@@ -7,7 +7,7 @@ import torch
 from comfy_api.latest import io, ui
 
 from ..core import timeline
-from ..core.cache import cache
+from ..core.pool import cache
 from . import common
 
 

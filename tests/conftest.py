@@ -19,8 +19,8 @@ import torch
 
 from pixart_lowvram.cli.random_model import build_random_pixart
 from pixart_lowvram.core import folders, quant_cache, sampler, text_encoder, vae
-from pixart_lowvram.core.cache import cache, default_host_budget
 from pixart_lowvram.core.models import ModelSource, resolve_model
+from pixart_lowvram.core.pool import cache, default_host_budget
 
 PROMPT = "a photo of a red cat in a garden"
 NEGATIVE = "dark"

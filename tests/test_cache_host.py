@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from vae_layout import to_original_layout
 
 from pixart_lowvram.core import estimates, vae
-from pixart_lowvram.core.cache import ModelCache
+from pixart_lowvram.core.pool import ModelCache
 from pixart_lowvram.core.quant import TEXT_ENCODER_SCHEMES, TRANSFORMER_SCHEMES
 
 GPU = torch.device("cuda", 0)

@@ -291,7 +291,7 @@ def comfy_mm(monkeypatch):
     monkeypatch.setattr(args, "cpu", True)
     import comfy.model_management as mm
 
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
     from pixart_lowvram.nodes import comfy_models
 
     saved_host, saved_models = cache.host, list(mm.current_loaded_models)
@@ -306,7 +306,7 @@ def comfy_mm(monkeypatch):
 
 def use(key: str, keep: bool = True, device: str = "cpu", build=lambda: torch.nn.Linear(256, 256)):
     """One stage's use of a model through the pack's cache (key[0] names the stage, as the stages' keys do)."""
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
 
     with cache.use(("transformer", key), build, keep=keep, device=torch.device(device)) as model:
         return model
@@ -332,13 +332,13 @@ def test_the_pack_models_are_comfyuis_own_loaded_models(comfy_mm):
 
 
 def test_unload_all_models_offloads_kept_models_and_the_next_use_reloads_them(comfy_mm, caplog):
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
 
     first, second = use("a"), use("b")
     assert len(pack_entries(comfy_mm)) == 2
     comfy_mm.unload_all_models()  # what POST /free with unload_models calls
     assert pack_entries(comfy_mm) == [] and len(cache) == 2  # offloaded, still in host memory
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.pool"):
         assert use("a") is first
     assert "reusing kept model" in caplog.text
     (entry,) = pack_entries(comfy_mm)
@@ -350,7 +350,7 @@ def test_a_model_not_kept_is_unloaded_by_comfyui_and_waits_in_host_memory(comfy_
     """Not kept: after its stage ComfyUI unloads it as one of its own (out of current_loaded_models, to its
     offload device), the pack's pool holds it, and the next stage takes it back through load_models_gpu
     without building it again; a kept model beside it stays loaded; clearing the cache (Free VRAM) drops it."""
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
 
     built = []
 
@@ -362,7 +362,7 @@ def test_a_model_not_kept_is_unloaded_by_comfyui_and_waits_in_host_memory(comfy_
     first = use("waiting", keep=False, build=build)
     assert [entry.model.inner for entry in pack_entries(comfy_mm)] == [kept]
     assert cache.pooled() == [("transformer", "waiting")]
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.pool"):
         again = use("waiting", keep=False, build=build)
     assert again is first and built == [1]
     assert "from host memory" in caplog.text
@@ -397,7 +397,7 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
     pack's model nodes: dropping one of two objects, or the last while a prompt with pack model nodes starts
     (their objects take over), keeps them; dropping the last between prompts (/free with free_memory) or
     as a prompt without them starts lets go of them."""
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
     from pixart_lowvram.nodes import comfy_models
     from pixart_lowvram.nodes.sampler import QuantoPixArtSampler
     from pixart_lowvram.nodes.t5_encode import QuantizedT5Encode
@@ -439,7 +439,7 @@ def test_with_cache_none_no_model_waits_in_host_memory(comfy_mm, host_pool, monk
     """--cache-none: ComfyUI keeps no node object between prompts, and the pack no model in host memory."""
     from comfy.cli_args import args
 
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
     from pixart_lowvram.nodes import comfy_models
 
     monkeypatch.setattr(args, "cache_none", True)
@@ -523,7 +523,7 @@ def test_room_for_a_core_model_offloads_kept_models_on_its_device(comfy_mm, monk
 
 
 def test_a_stage_asks_comfyui_for_room_before_loading_and_loads_through_it(comfy_mm, monkeypatch):
-    from pixart_lowvram.core.cache import cache
+    from pixart_lowvram.core.pool import cache
 
     asked, placed = [], []
     dynamic = (

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pixart_lowvram.core import memory, sampler, text_encoder, vae
-from pixart_lowvram.core.cache import cache
 from pixart_lowvram.core.models import resolve_model
+from pixart_lowvram.core.pool import cache
 
 FP32 = {"device": "cpu", "precision": torch.float32}
 # What core's advice says where a node adds "In ComfyUI: put Free VRAM before this node ...".

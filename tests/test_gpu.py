@@ -15,7 +15,7 @@ import torch
 from tolerances import assert_close
 
 from pixart_lowvram.core import memory, sampler, text_encoder, vae
-from pixart_lowvram.core.cache import cache
+from pixart_lowvram.core.pool import cache
 
 pytestmark = pytest.mark.gpu
 

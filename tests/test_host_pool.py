@@ -16,14 +16,14 @@ import transformers
 
 from pixart_lowvram.cli import main as cli
 from pixart_lowvram.core import sampler, text_encoder, vae
-from pixart_lowvram.core.cache import (
+from pixart_lowvram.core.models import resolve_model
+from pixart_lowvram.core.pool import (
     HOST_BUDGET_ENV,
     ModelCache,
     cache,
     default_host_budget,
     free_all,
 )
-from pixart_lowvram.core.models import resolve_model
 
 STAGES = ("text_encoder", "transformer", "vae")
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ def run(stage: str, tiny, reference, **overrides):
 def test_the_second_run_takes_the_model_from_host_memory(tiny, reference, load_spy, host_pool, stage, caplog):
     first = run(stage, tiny, reference)
     assert len(cache) == 0 and len(cache.pooled()) == 1, "not kept, but waiting in host memory"
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.pool"):
         second = run(stage, tiny, reference)
     assert load_spy.count(stage) == 1, "loaded (and quantized) once"
     assert "from host memory" in caplog.text
@@ -133,7 +133,7 @@ def test_least_recently_used_leaves_first():
 
 def test_a_model_larger_than_the_budget_is_not_kept(caplog):
     pool = ModelCache(host_budget=LINEAR_BYTES - 1)
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.cache"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.pool"):
         use(pool, "a")
     assert pool.pooled() == [] and "larger than the host memory budget" in caplog.text
 

@@ -75,11 +75,11 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
     expected = {f"pixart_lowvram.cli.{name}" for name in ("client", "commands", "main", "random_model")} | {
         f"pixart_lowvram.core.{name}"
         for name in (
-            "cache",
             "devices",
             "memory",
             "models",
             "outputs",
+            "pool",
             "quant",
             "quant.base",
             "quant.bitsandbytes",

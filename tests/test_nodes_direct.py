@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pixart_lowvram.core import memory, sampler, text_encoder, vae
-from pixart_lowvram.core.cache import cache
 from pixart_lowvram.core.contract import PixArtEmbeds
+from pixart_lowvram.core.pool import cache
 
 MODEL = "tiny-pixart"
 SIZE, STEPS = 64, 3

@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 
 from pixart_lowvram.cli.random_model import PRESETS, build_tokenizer
 from pixart_lowvram.core import quant_cache, text_encoder
-from pixart_lowvram.core.cache import cache
 from pixart_lowvram.core.models import resolve_model
+from pixart_lowvram.core.pool import cache
 from pixart_lowvram.core.single_files import read_t5_file
 
 PROMPT, NEGATIVE = "a photo of a red cat in a garden", "dark"

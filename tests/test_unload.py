@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pixart_lowvram.core import memory, sampler, text_encoder, timeline, vae
-from pixart_lowvram.core.cache import cache, free_all
+from pixart_lowvram.core.pool import cache, free_all
 
 STAGES = ("text_encoder", "transformer", "vae")
 
