@@ -17,7 +17,6 @@ behind ``transformer.``, ``base_model.model.`` or ``unet.base_model.model.``, wi
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -223,6 +222,3 @@ def _detach(layer: torch.nn.Module) -> None:
     elif parametrize.is_parametrized(layer, "weight"):
         parametrize.remove_parametrizations(layer, "weight", leave_parametrized=False)
 
-
-def specs_from(paths: Sequence[tuple[str | os.PathLike, float]]) -> tuple[LoraSpec, ...]:
-    return tuple(LoraSpec(Path(path), strength) for path, strength in paths)

@@ -130,19 +130,23 @@ def test_the_stages_go_on_when_their_cache_cannot_be_written(tiny, tmp_path, cap
     assert quant_cache.ENV in warning and "going on without it" in warning
 
 
-def test_an_unwritable_home_stops_the_demo_at_once_with_the_fix(tmp_path):
-    folder = unwritable(tmp_path)
-    env = {**os.environ, folders.HOME_ENV: str(folder), "HF_HUB_OFFLINE": "1"}
-    argv = ["demo", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "out")]
-    proc = subprocess.run(
+def run_demo(argv: list[str], env: dict, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "pixart_lowvram", *argv],
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+def test_an_unwritable_home_stops_the_demo_at_once_with_the_fix(tmp_path):
+    folder = unwritable(tmp_path)
+    env = {**os.environ, folders.HOME_ENV: str(folder), "HF_HUB_OFFLINE": "1"}
+    argv = ["demo", "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "out")]
+    proc = run_demo(argv, env, tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()
@@ -150,15 +154,7 @@ def test_an_unwritable_home_stops_the_demo_at_once_with_the_fix(tmp_path):
     assert f"set {folders.HOME_ENV} to a writable folder" in line and "--model-dir" in line
     assert "building" not in proc.stderr  # refused before the seconds of building
     # Given with --model-dir, the fix named is that option.
-    proc = subprocess.run(
-        [sys.executable, "-m", "pixart_lowvram", *argv, "--model-dir", str(folder / "m")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_demo([*argv, "--model-dir", str(folder / "m")], env, tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "give --model-dir a writable folder" in proc.stderr
     assert not (tmp_path / "out").exists()
