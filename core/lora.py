@@ -221,4 +221,3 @@ def _detach(layer: torch.nn.Module) -> None:
         layer.weight_patch = None
     elif parametrize.is_parametrized(layer, "weight"):
         parametrize.remove_parametrizations(layer, "weight", leave_parametrized=False)
-
