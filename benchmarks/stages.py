@@ -62,10 +62,10 @@ def run_one(model_dir: str, config: dict, out: Path) -> None:
 
     if "pipeline" in config:
         return run_pipeline(model_dir, config["pipeline"], out)
-    from pixart_lowvram.core import memory, models, sampler, text_encoder, vae
+    from pixart_lowvram.core import measure, models, sampler, text_encoder, vae
 
     source = models.resolve_model(model_dir)
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     low_vram = config.get("low_vram", False)
     start = time.perf_counter()
     cache_dir = out.parent / "quant_cache" if config["cache"] == "on" else None

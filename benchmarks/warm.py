@@ -79,7 +79,7 @@ PROMPTS = [
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
 
-# PyTorch's expandable segments, as the command line asks for them (core.memory.prefer_expandable_segments).
+# PyTorch's expandable segments, as the command line asks for them (core.measure.prefer_expandable_segments).
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 CONFIGS: dict[str, dict] = {
     "anchor: diffusers fp16, all on the GPU": {"kind": "anchor"},
@@ -233,7 +233,7 @@ def png_seconds(image: torch.Tensor) -> float:
 
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
-    from pixart_lowvram.core import memory, models, sampler, text_encoder, vae
+    from pixart_lowvram.core import measure, models, sampler, text_encoder, vae
     from pixart_lowvram.core.pool import cache
 
     cap(config.get("cap_gib"))
@@ -241,7 +241,7 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
     low_vram, fast = config.get("low_vram", False), config.get("fast", False)
     records, images = [], []
     for index, (text, seed) in enumerate([*PROMPTS, REPEAT][: config.get("prompts")]):
-        report = memory.MemoryReport()
+        report = measure.MemoryReport()
         with Prompt() as p, profiled(config.get("profile") if index == PROFILED else None):
             encoding = text_encoder.EncoderSettings(
                 source, device="cuda", low_vram=low_vram, quant_cache=quant_cache
@@ -479,7 +479,7 @@ def node_seconds(starts: list[tuple[str | None, float]], submitted: float, promp
     }
 
 
-# The pack's log line for each stage (core.memory.stage): name | device | peak allocated | reserved | seconds
+# The pack's log line for each stage (core.measure.stage): name | device | peak allocated | reserved | seconds
 STAGE_LINE = re.compile(r"stage (\w+) \| [^|]+ \| ([\d.]+) (GiB|MiB) \| ([\d.]+) (GiB|MiB) \| ([\d.]+)")
 UNITS = {"GiB": 2**30, "MiB": 2**20}
 # ComfyUI's own line at a prompt's end: the executor's time, without the HTTP round trip and the download.

@@ -17,7 +17,7 @@ from ..core import (
     folders,
     inputs,
     lora,
-    memory,
+    measure,
     outputs,
     quant_cache,
     sampler,
@@ -232,9 +232,9 @@ def run(args: argparse.Namespace, model: str) -> dict:
     # process that makes many).
     cache.host_budget = 0
     device = encoding.device
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     if not args.no_snapshot and device.type == "cuda":
-        memory.history.ensure("cli")
+        measure.history.ensure("cli")
     start = time.perf_counter()
     embeds = text_encoder.encode(encoding, args.prompt, args.negative_prompt, report=report)
     with tqdm(total=sampling.steps, desc="sampling", unit="step") as bar:
@@ -267,10 +267,10 @@ def show_cache(folder: Path, clear: bool) -> None:
     print(f"pre-quantized weight cache: {folder} ({len(entries)} entries)")
     for entry in entries:
         print(
-            f"  {entry.name}  {memory.format_bytes(quant_cache.size(entry))}  {quant_cache.describe(entry)}"
+            f"  {entry.name}  {measure.format_bytes(quant_cache.size(entry))}  {quant_cache.describe(entry)}"
         )
     if clear:
-        print(f"cleared {memory.format_bytes(quant_cache.clear(folder))}")
+        print(f"cleared {measure.format_bytes(quant_cache.clear(folder))}")
 
 
 def check_model_folder(folder: Path, given: bool) -> None:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
     quiet_optional_kernel_notice()
-    memory.prefer_expandable_segments()  # before CUDA's first allocation
+    measure.prefer_expandable_segments()  # before CUDA's first allocation
     if args.command == "queue":
         queue_workflow(args)
     elif args.command == "cache":
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
             device="cpu" if tiny else device,
             dtype=torch.float32 if tiny else torch.bfloat16,
         )
-        memory.free_memory()
+        measure.free_memory()
         run(args, str(folder))
         print(
             "the weights are random, so the image is noise: this run shows that the stages, the memory "

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from .memory import NO_CUDA, format_bytes, free_memory, model_let_go
+from .measure import NO_CUDA, format_bytes, free_memory, model_let_go
 from .streaming import HostCopy, model_bytes
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, inputs, lora, memory, quant_cache, streaming
+from . import estimates, inputs, lora, measure, quant_cache, streaming
 from .contract import (
     LATENT_CHANNELS,
     MAX_SIZE,
@@ -298,7 +298,7 @@ class SamplerSettings:
         steps.append("lower width, height or batch_size")
         if self.scheme.if_out_of_memory:
             steps.append(self.scheme.if_out_of_memory)
-        return ", ".join([*steps, memory.FREE_OTHERS])
+        return ", ".join([*steps, measure.FREE_OTHERS])
 
 
 def check_denoise(denoise: float, has_latent: bool = True) -> None:
@@ -522,13 +522,13 @@ def _dense(settings: SamplerSettings, transformer, work: Workload) -> Iterator[N
     # The run's own work: the stage's estimate (device_bytes) counts the expanded copy in already.
     _weights, run = estimates.transformer(settings.scheme, settings.dtype, work.images, work.pixels)
     needed = settings.scheme.dense_bytes(transformer) + run
-    room = memory.device_room(settings.device)
+    room = measure.device_room(settings.device)
     if needed > room:
         logger.info(
             "sampler: %s free on %s, %s needed to hold the weights expanded; expanding them per layer",
-            memory.format_bytes(room),
+            measure.format_bytes(room),
             settings.device,
-            memory.format_bytes(needed),
+            measure.format_bytes(needed),
         )
         yield
         return
@@ -564,7 +564,7 @@ def sample(
     settings: SamplerSettings,
     embeds: PixArtEmbeds,
     init_latents: torch.Tensor | None = None,
-    report: memory.MemoryReport | None = None,
+    report: measure.MemoryReport | None = None,
     on_warning: WarningCallback | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> torch.Tensor:
@@ -617,7 +617,7 @@ def sample(
         noised = schedule.add_noise(init_latents * scale, noise, schedule.timesteps[:1])
         # The pipeline multiplies the latents it is given by init_noise_sigma, as it does pure noise.
         latents = noised / schedule.init_noise_sigma
-    with memory.stage("sample", settings.device, report, settings.out_of_memory_advice()):
+    with measure.stage("sample", settings.device, report, settings.out_of_memory_advice()):
         latents = _sample(settings, embeds, latents, schedule, generator, on_progress, on_warning)
     return latents / scale
 

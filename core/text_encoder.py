@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, inputs, memory, quant_cache, streaming
+from . import estimates, inputs, measure, quant_cache, streaming
 from .contract import PixArtEmbeds, ProgressCallback, WarningCallback, warn
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
@@ -128,7 +128,7 @@ class EncoderSettings:
         steps = [] if self.low_vram else ["turn on low_vram (T5's layers streamed from CPU memory)"]
         if self.scheme.if_out_of_memory:
             steps.append(self.scheme.if_out_of_memory)
-        return ", ".join([*steps, memory.FREE_OTHERS])
+        return ", ".join([*steps, measure.FREE_OTHERS])
 
 
 def t5_class(scheme: Scheme) -> type:
@@ -263,7 +263,7 @@ def encode(
     settings: EncoderSettings,
     prompt: str,
     negative_prompt: str = "",
-    report: memory.MemoryReport | None = None,
+    report: measure.MemoryReport | None = None,
     on_warning: WarningCallback | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> PixArtEmbeds:
@@ -286,7 +286,7 @@ def encode(
         )
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         warn(logger, truncation_warning(tokenizer, name, text), on_warning)
-    with memory.stage("t5_encode", settings.device, report, settings.out_of_memory_advice()):
+    with measure.stage("t5_encode", settings.device, report, settings.out_of_memory_advice()):
         return _encode(settings, tokenizer, prompt, negative_prompt, on_progress or _no_progress)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import memory, outputs
-from .memory import NO_CUDA, StageRecord, format_bytes
+from . import measure, outputs
+from .measure import NO_CUDA, StageRecord, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ RESERVED_STEP = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segm
 MAX_PLOT_POINTS = 4000  # per line; the peak is found on every event
 FIG_SIZE, DPI = (10.0, 5.0), 100  # 1000 × 500 px
 NO_HISTORY = "no CUDA allocator history on this device"
-# Stage times and the trace share one clock (memory.trace_clock_us); stages farther than this from every
+# Stage times and the trace share one clock (measure.trace_clock_us); stages farther than this from every
 # event are taken to be on another clock and are not placed on the timeline.
 CLOCK_TOLERANCE_US = 3600 * 10**6
 
@@ -329,12 +329,12 @@ class Record:
     summary: str
 
 
-def write_report(report: memory.MemoryReport, stem: Path) -> Record:
+def write_report(report: measure.MemoryReport, stem: Path) -> Record:
     """Write ``stem.md`` and ``stem.json`` (the stage table), ``stem.png`` (the memory timeline) and, when the
     allocator history was recorded, ``stem.pickle`` (the snapshot, which also stops the recording)."""
-    since_us = memory.history.started_us
+    since_us = measure.history.started_us
     pickle_path = stem.with_name(stem.name + ".pickle")
-    snapshot = memory.history.dump(pickle_path)
+    snapshot = measure.history.dump(pickle_path)
     written = report.write(stem)
     if snapshot is not None:
         written.append(pickle_path)
@@ -349,7 +349,7 @@ def write_report(report: memory.MemoryReport, stem: Path) -> Record:
     if line.peak is not None:
         lines.append(f"timeline: {line.peak.label()}")
     if snapshot is None:
-        problem = memory.history_problem()
+        problem = measure.history_problem()
         lines.append(
             f"{NO_CUDA}: no allocator snapshot"
             if problem == NO_CUDA
@@ -359,6 +359,6 @@ def write_report(report: memory.MemoryReport, stem: Path) -> Record:
     return Record(written, picture, "\n".join(lines))
 
 
-def write_record(report: memory.MemoryReport, folder: Path, prefix: str) -> Record:
+def write_record(report: measure.MemoryReport, folder: Path, prefix: str) -> Record:
     """:func:`write_report` under the next free ``prefix_NNNNN`` name in ``folder``."""
     return write_report(report, outputs.next_stem(folder, prefix))

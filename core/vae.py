@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, inputs, memory, streaming
+from . import estimates, inputs, measure, streaming
 from .contract import ProgressCallback, check_latent_tensor
 from .devices import as_device, resolve_dtype
 from .estimates import Workload
@@ -145,7 +145,7 @@ class DecoderSettings:
 
     def out_of_memory_advice(self) -> str:
         steps = [] if self.tiling == "on" else ["set tiling to on"]
-        return ", ".join([*steps, "lower width, height or batch_size", memory.FREE_OTHERS])
+        return ", ".join([*steps, "lower width, height or batch_size", measure.FREE_OTHERS])
 
 
 def _load(settings: DecoderSettings):
@@ -245,15 +245,15 @@ def use_tiles(tiling: str, samples: torch.Tensor, dtype: torch.dtype, device: to
     """``auto`` tiles when the untiled decode would not fit in the device's free memory."""
     if tiling != "auto":
         return tiling == "on"
-    if not memory.cuda_in_use(device):
+    if not measure.cuda_in_use(device):
         return False
-    return estimates.vae_untiled_bytes(samples, dtype) > memory.device_room(device)
+    return estimates.vae_untiled_bytes(samples, dtype) > measure.device_room(device)
 
 
 def decode(
     settings: DecoderSettings,
     samples: torch.Tensor,
-    report: memory.MemoryReport | None = None,
+    report: measure.MemoryReport | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> torch.Tensor:
     """Decode raw-VAE-space latents ``[B, 4, h, w]`` to images ``[B, 8h, 8w, 3]`` float32 in 0..1 on the CPU.
@@ -264,7 +264,7 @@ def decode(
     tile = (
         settings.tile_size if use_tiles(settings.tiling, samples, settings.dtype, settings.device) else None
     )
-    with memory.stage("vae_decode", settings.device, report, settings.out_of_memory_advice()):
+    with measure.stage("vae_decode", settings.device, report, settings.out_of_memory_advice()):
         return _decode(settings, samples, tile, on_progress)
 
 

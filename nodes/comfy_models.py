@@ -37,7 +37,7 @@ import torch
 from comfy.cli_args import args as comfy_args
 
 from ..core import streaming
-from ..core.memory import format_bytes
+from ..core.measure import format_bytes
 from ..core.pool import ModelCache, cache
 
 logger = logging.getLogger(__name__)

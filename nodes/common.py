@@ -16,7 +16,7 @@ import torch
 from comfy_api.latest import io
 from comfy_execution.utils import get_executing_context
 
-from ..core import inputs, memory, quant_cache
+from ..core import inputs, measure, quant_cache
 from ..core.models import HUB_IDS, ModelSource, find_model_folders, resolve_model
 from ..core.pool import cache
 from . import comfy_models
@@ -135,18 +135,18 @@ def run_id() -> str | None:
     return context.prompt_id if context is not None else None
 
 
-def report() -> memory.MemoryReport:
+def report() -> measure.MemoryReport:
     """This prompt's memory report (a throwaway one outside a prompt)."""
     prompt_id = run_id()
-    return memory.reports.get(prompt_id) if prompt_id is not None else memory.MemoryReport()
+    return measure.reports.get(prompt_id) if prompt_id is not None else measure.MemoryReport()
 
 
-def begin_stage(dynprompt) -> memory.MemoryReport:
+def begin_stage(dynprompt) -> measure.MemoryReport:
     """Called first by each model node: starts the allocator history when this prompt holds a Memory
     Snapshot node (so the snapshot covers every stage), and returns this prompt's report."""
     prompt = dynprompt.get_original_prompt() if dynprompt is not None else {}
     if any(isinstance(node, dict) and node.get("class_type") == SNAPSHOT_NODE_ID for node in prompt.values()):
-        memory.history.ensure(run_id() or "no-prompt")
+        measure.history.ensure(run_id() or "no-prompt")
     return report()
 
 

@@ -31,7 +31,7 @@ import comfy.utils
 import torch
 from comfy.patcher_extension import CallbacksMP
 
-from ..core import estimates, memory
+from ..core import estimates, measure
 from ..core.quant import quanto
 from ..core.sampler import SamplerSettings, quantized_transformer
 from ..core.single_files import CAPTION_TOKENS
@@ -228,7 +228,7 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
     logger.info(
         "PixArt-Σ %s MODEL: %s of weights, %d layers quantized",
         settings.scheme.describe(),
-        memory.format_bytes(patcher.model_size()),
+        measure.format_bytes(patcher.model_size()),
         sum(isinstance(m, quanto.ScaledWeightLinear) for m in model.modules()),
     )
     return patcher

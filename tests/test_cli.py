@@ -104,16 +104,16 @@ def test_the_command_line_asks_for_expandable_segments_unless_told_otherwise(mon
     allocator's settings were chosen; on Linux, where PyTorch offers them."""
     import sys
 
-    from pixart_lowvram.core import memory
+    from pixart_lowvram.core import measure
 
-    monkeypatch.delenv(memory.ALLOCATOR_SETTINGS, raising=False)
+    monkeypatch.delenv(measure.ALLOCATOR_SETTINGS, raising=False)
     monkeypatch.setattr(sys, "platform", "linux")
-    assert memory.prefer_expandable_segments()
-    assert memory.os.environ[memory.ALLOCATOR_SETTINGS] == "expandable_segments:True"
-    monkeypatch.setenv(memory.ALLOCATOR_SETTINGS, "backend:cudaMallocAsync")
-    assert not memory.prefer_expandable_segments()
-    assert memory.os.environ[memory.ALLOCATOR_SETTINGS] == "backend:cudaMallocAsync"
-    monkeypatch.delenv(memory.ALLOCATOR_SETTINGS)
+    assert measure.prefer_expandable_segments()
+    assert measure.os.environ[measure.ALLOCATOR_SETTINGS] == "expandable_segments:True"
+    monkeypatch.setenv(measure.ALLOCATOR_SETTINGS, "backend:cudaMallocAsync")
+    assert not measure.prefer_expandable_segments()
+    assert measure.os.environ[measure.ALLOCATOR_SETTINGS] == "backend:cudaMallocAsync"
+    monkeypatch.delenv(measure.ALLOCATOR_SETTINGS)
     monkeypatch.setattr(sys, "platform", "win32")
-    assert not memory.prefer_expandable_segments()
-    assert memory.ALLOCATOR_SETTINGS not in memory.os.environ
+    assert not measure.prefer_expandable_segments()
+    assert measure.ALLOCATOR_SETTINGS not in measure.os.environ

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, sampler, text_encoder, vae
 from pixart_lowvram.core.models import resolve_model
 from pixart_lowvram.core.pool import cache
 
@@ -89,7 +89,7 @@ def test_out_of_memory_in_the_forward_says_what_to_do_and_frees(
 ):
     name, module, advice = STAGES[stage]
     calls = fail_once_in_forward(module, stage, monkeypatch)
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     with pytest.raises(torch.cuda.OutOfMemoryError) as info:
         run(stage, tiny, reference, keep_loaded=keep_loaded, report=report)
     assert calls == [1]
@@ -128,13 +128,13 @@ def test_stage_translates_only_out_of_memory():
     class Other(RuntimeError):
         pass
 
-    with pytest.raises(Other) as info, memory.stage("sample", "cpu"):
+    with pytest.raises(Other) as info, measure.stage("sample", "cpu"):
         raise Other("unchanged")
     assert str(info.value) == "unchanged"
-    with pytest.raises(torch.cuda.OutOfMemoryError) as info, memory.stage("some_stage", "cpu"):
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info, measure.stage("some_stage", "cpu"):
         raise torch.cuda.OutOfMemoryError("")
     assert "stage some_stage ran out of GPU memory on cpu (OutOfMemoryError)" in str(info.value)
-    assert memory.GENERIC_ADVICE in str(info.value)
+    assert measure.GENERIC_ADVICE in str(info.value)
 
 
 # --- damaged or pickled weights in the model folder ---------------------------------------------------
@@ -175,7 +175,7 @@ def test_damaged_weights_file_is_named_before_loading(
     folder = model_copy(tiny_folder, tmp_path / "damaged", stage)
     weights = folder / stage / WEIGHTS[stage]
     damage(weights, how)
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     with pytest.raises(ValueError) as info:
         run(stage, resolve_model(str(folder)), reference, report=report)
     message = str(info.value)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import memory, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, sampler, text_encoder, vae
 from pixart_lowvram.core.pool import cache
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def run_chain(source, device, report=None, **options):
 
 
 def test_stages_report_cuda_peaks(tiny, cuda):
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     images = run_chain(tiny, cuda, report)
     assert images.device.type == "cpu" and images.dtype == torch.float32
     assert torch.isfinite(images).all()
@@ -49,16 +49,16 @@ def test_stages_report_cuda_peaks(tiny, cuda):
         assert isinstance(record.peak_reserved, int) and record.peak_reserved >= record.peak_allocated
         assert record.error is None
     assert report.peak_allocated == max(r.peak_allocated for r in report.stages)
-    assert memory.NO_CUDA not in report.markdown()
+    assert measure.NO_CUDA not in report.markdown()
 
 
 def test_snapshot_pickle_is_written(tiny, cuda, tmp_path):
-    assert memory.history.ensure("test") is True
+    assert measure.history.ensure("test") is True
     try:
         text_encoder.encode(text_encoder.EncoderSettings(tiny, device=cuda), "a red cat")
     finally:
         # dump() also stops the recording.
-        dumped = memory.history.dump(tmp_path / "snapshot.pickle")
+        dumped = measure.history.dump(tmp_path / "snapshot.pickle")
     snapshot = pickle.loads((tmp_path / "snapshot.pickle").read_bytes())
     assert snapshot["segments"] or snapshot["device_traces"]
     assert dumped.keys() == snapshot.keys()
@@ -194,7 +194,7 @@ def test_cli_demo_on_cuda_writes_snapshot(tmp_path, cuda):
     report = json.loads((out / "pixart_00001_memory.json").read_text())
     assert all(isinstance(s["peak_allocated"], int) and s["peak_allocated"] > 0 for s in report["stages"])
     assert isinstance(report["peak_allocated"], int)
-    assert memory.NO_CUDA not in (out / "pixart_00001_memory.md").read_text()
+    assert measure.NO_CUDA not in (out / "pixart_00001_memory.md").read_text()
     assert (out / "pixart_00001_memory.pickle").stat().st_size > 0
     assert (out / "pixart_00001.png").is_file()
 
@@ -408,7 +408,7 @@ def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
     import dataclasses
 
     from pixart_lowvram.cli.random_model import save_random_lora
-    from pixart_lowvram.core import lora, memory
+    from pixart_lowvram.core import lora, measure
 
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
     settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization="qint8")
@@ -418,7 +418,7 @@ def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
     before = torch.cuda.memory_allocated(cuda)
     dense = sampler.sample(with_lora, reference.embeds)
     assert torch.cuda.memory_allocated(cuda) == before
-    monkeypatch.setattr(memory, "device_room", lambda device: 0)  # no room: expanded per call
+    monkeypatch.setattr(measure, "device_room", lambda device: 0)  # no room: expanded per call
     per_call = sampler.sample(with_lora, reference.embeds)
     assert torch.equal(dense, per_call)  # exact: the same expansion and sum on the same values
     assert _cosine(dense, plain) < 0.9999

@@ -76,7 +76,7 @@ def test_core_imports_without_comfyui(tmp_path: Path) -> None:
         f"pixart_lowvram.core.{name}"
         for name in (
             "devices",
-            "memory",
+            "measure",
             "models",
             "outputs",
             "pool",

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, sampler, text_encoder, vae
 from pixart_lowvram.core.contract import PixArtEmbeds
 from pixart_lowvram.core.pool import cache
 
@@ -289,7 +289,7 @@ def test_cancel_stops_the_sampler_at_the_next_step_and_frees_it(comfy, chain, lo
 
 
 def test_memory_report_collects_the_prompt_stages(chain):
-    stages = memory.reports.get(chain.prompt.id).stages
+    stages = measure.reports.get(chain.prompt.id).stages
     assert [stage.stage for stage in stages] == ["t5_encode", "sample", "vae_decode"]
     assert all(stage.device == "cpu" and stage.error is None for stage in stages)
 

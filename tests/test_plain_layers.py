@@ -9,7 +9,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import estimates, memory, sampler
+from pixart_lowvram.core import estimates, measure, sampler
 from pixart_lowvram.core.estimates import Workload
 from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_layers
@@ -92,7 +92,7 @@ def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference
     if pool == "on":
         request.getfixturevalue("host_pool")
     collected = []
-    monkeypatch.setattr(memory.gc, "collect", lambda *args: collected.append(1) or 0)
+    monkeypatch.setattr(measure.gc, "collect", lambda *args: collected.append(1) or 0)
     settings = sampler.SamplerSettings(tiny, **SETTINGS, device="cpu", precision=torch.float32)
     sampler.sample(settings, reference.embeds)
     assert collected, "a fresh load collects what loading left behind"
@@ -112,7 +112,7 @@ def test_a_run_holds_dense_weights_when_they_and_the_run_fit(tiny, monkeypatch, 
     run = estimates.transformer(settings.scheme, settings.dtype, 1, MEGAPIXEL)[1]
     exact = dense_bytes(model) + run
     free = {"run": exact, "short": exact - 1}.get(room, room)
-    monkeypatch.setattr(memory, "device_room", lambda device: free)
+    monkeypatch.setattr(measure, "device_room", lambda device: free)
     with sampler._dense(settings, model, Workload(1, MEGAPIXEL)):
         held = [m.weight_dense is not None for m in model if isinstance(m, ScaledWeightLinear)]
     assert held == [dense, dense]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, models, outputs, sampler, text_encoder, timeline, vae
+from pixart_lowvram.core import measure, models, outputs, sampler, text_encoder, timeline, vae
 from pixart_lowvram.core.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,13 +201,13 @@ def test_a_hub_download_skips_pickled_weights(tmp_path, monkeypatch):
 def test_report_names_cannot_leave_the_output_folder(tmp_path, prefix):
     output = tmp_path / "output"
     with pytest.raises(ValueError, match="filename_prefix"):
-        timeline.write_record(memory.MemoryReport(), output, prefix)
+        timeline.write_record(measure.MemoryReport(), output, prefix)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) in ([], [Path("output")])
 
 
 def test_report_files_stay_in_the_output_folder(tmp_path):
     output = tmp_path / "output"
-    record = timeline.write_record(memory.MemoryReport(), output, "pixart.memory-1")
+    record = timeline.write_record(measure.MemoryReport(), output, "pixart.memory-1")
     assert record.files and all(p.resolve().parent == output.resolve() for p in record.files)
     assert outputs.next_stem(output, "pixart.memory-1").parent == output
 

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from pixart_lowvram.cli import main as cli
-from pixart_lowvram.core import memory, timeline
-from pixart_lowvram.core.memory import StageRecord
+from pixart_lowvram.core import measure, timeline
+from pixart_lowvram.core.measure import StageRecord
 
 MiB = 2**20
 T0 = 1_764_000_000_000_000  # µs since the epoch, as the trace's time_us
@@ -194,19 +194,19 @@ def test_picture_without_history_shows_the_stages():
 
 
 def test_stage_records_carry_times_on_the_trace_clock():
-    report = memory.MemoryReport()
-    before = memory.trace_clock_us()
-    with memory.stage("t5_encode", "cpu", report):
+    report = measure.MemoryReport()
+    before = measure.trace_clock_us()
+    with measure.stage("t5_encode", "cpu", report):
         pass
     (record,) = report.stages
-    assert before <= record.started_us <= record.ended_us <= memory.trace_clock_us()
+    assert before <= record.started_us <= record.ended_us <= measure.trace_clock_us()
     assert json.loads(json.dumps(report.to_dict()))["stages"][0]["started_us"] == record.started_us
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case: no allocator history")
 def test_write_record_without_cuda(tmp_path):
-    report = memory.MemoryReport()
-    with memory.stage("t5_encode", "cpu", report):
+    report = measure.MemoryReport()
+    with measure.stage("t5_encode", "cpu", report):
         pass
     record = timeline.write_record(report, tmp_path / "out", "pixart_memory")
     names = sorted(p.name for p in record.files)
@@ -214,7 +214,7 @@ def test_write_record_without_cuda(tmp_path):
     assert all(p.parent == tmp_path / "out" for p in record.files)
     with Image.open(tmp_path / "out" / "pixart_memory_00001.png") as png:
         assert png.size == (record.picture.shape[1], record.picture.shape[0])
-    assert "t5_encode" in record.summary and memory.NO_CUDA in record.summary
+    assert "t5_encode" in record.summary and measure.NO_CUDA in record.summary
     assert "pixart_memory_00001.png" in record.summary
     assert (
         timeline.write_record(report, tmp_path / "out", "pixart_memory")
@@ -233,14 +233,14 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", refuse)
-    history = memory.History()
+    history = measure.History()
     assert history.ensure("prompt-1") is False
     assert "--disable-cuda-malloc" in caplog.text
     caplog.clear()
     assert history.ensure("prompt-2") is False
     assert caplog.text == ""  # said once a process
-    monkeypatch.setattr(memory, "history", history)
-    report = memory.MemoryReport()
+    monkeypatch.setattr(measure, "history", history)
+    report = measure.MemoryReport()
     report.add(StageRecord(stage="sample", device="cuda:0", seconds=1.0, peak_allocated=MiB))
     record = timeline.write_record(report, tmp_path, "pixart_memory")
     assert "no allocator history: PyTorch's cudaMallocAsync allocator keeps none" in record.summary
@@ -252,7 +252,7 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
 def test_report_names_cannot_leave_the_folder(tmp_path, prefix):
     folder = tmp_path / "out"
     with pytest.raises(ValueError, match="filename_prefix"):
-        timeline.write_record(memory.MemoryReport(), folder, prefix)
+        timeline.write_record(measure.MemoryReport(), folder, prefix)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == []
 
 

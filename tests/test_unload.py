@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from pixart_lowvram.core import memory, sampler, text_encoder, timeline, vae
+from pixart_lowvram.core import measure, sampler, text_encoder, timeline, vae
 from pixart_lowvram.core.pool import cache, free_all
 
 STAGES = ("text_encoder", "transformer", "vae")
@@ -62,7 +62,7 @@ def test_sample_exception_frees_the_transformer(run_stage, load_spy):
     def stop_at_first_step(step: int, total: int, latents: torch.Tensor) -> None:
         raise Stop(f"stopped at step {step} of {total}")
 
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     with pytest.raises(Stop, match="step 1 of 2"):
         run_stage("transformer", on_progress=stop_at_first_step, report=report)
     gc.collect()
@@ -91,7 +91,7 @@ def test_encode_exception_frees_t5(run_stage, load_spy, monkeypatch):
 
     # Fails after T5 has run, inside the stage: building the result.
     monkeypatch.setattr(text_encoder, "PixArtEmbeds", fail)
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     with pytest.raises(Stop):
         run_stage("text_encoder", report=report)
     assert load_spy.alive("text_encoder") == [False]
@@ -100,7 +100,7 @@ def test_encode_exception_frees_t5(run_stage, load_spy, monkeypatch):
 
 def test_decode_exception_frees_vae(run_stage, load_spy):
     # A meta tensor passes the shape check but cannot be copied to the device, after the VAE loaded.
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     with pytest.raises(NotImplementedError):
         run_stage("vae", latents=torch.empty(1, 4, 8, 8, device="meta"), report=report)
     assert load_spy.alive("vae") == [False]
@@ -173,7 +173,7 @@ def test_free_all_drops_kept_models_and_asks_the_host(run_stage, load_spy):
     ],
 )
 def test_memory_record_lists_the_stages(run_stage, tmp_path, prefix):
-    report = memory.MemoryReport()
+    report = measure.MemoryReport()
     run_stage("text_encoder", report=report)
     run_stage("vae", report=report)
     summary = timeline.write_record(report, tmp_path, prefix).summary
@@ -183,5 +183,5 @@ def test_memory_record_lists_the_stages(run_stage, tmp_path, prefix):
     for number in ("00001", "00002"):
         assert {f"{prefix}_{number}.md", f"{prefix}_{number}.json"} <= names
     if not torch.cuda.is_available():
-        assert memory.NO_CUDA in summary
+        assert measure.NO_CUDA in summary
         assert not any(name.endswith(".pickle") for name in names)
