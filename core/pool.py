@@ -7,6 +7,10 @@ quantized as it is — and waits in a pool bounded by a byte budget (``host_budg
 first. The next run with the same settings moves it back instead of reading and quantizing it again. A
 failed stage never leaves its model behind; :meth:`ModelCache.clear` and :func:`free_all` drop everything.
 
+Beside the models, the cache remembers a few small results of them (:meth:`ModelCache.recall`): the
+embeddings T5 made of the last texts, so a text seen again (the negative prompt, usually the same on every
+prompt) is not encoded again and a prompt whose texts were all seen does not load T5 at all.
+
 The cache knows nothing of the host application. A host that manages memory itself (ComfyUI) installs a
 :class:`CacheHost`: it is asked to make room before a stage loads, holds each loaded model in its own
 books (a handle the cache keeps while the model is kept), and readies the model on its device for each
@@ -32,6 +36,7 @@ from .streaming import HostCopy, model_bytes
 logger = logging.getLogger(__name__)
 
 HOST_BUDGET_ENV = "PIXART_LOWVRAM_HOST_POOL_GIB"
+MAX_RESULTS = 16  # results remembered (a text's embeddings: 2.4 MB at 300 tokens of T5-XXL in bf16)
 DEFAULT_HOST_BUDGET_GIB = 4.0
 CPU = torch.device("cpu")
 
@@ -77,6 +82,8 @@ class ModelCache:
         # key -> (the model in host memory: its HostCopy, or the host's handle; its bytes), least recently
         # used first
         self._pool: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        # (the model's key, what it was given) -> what it made, least recently used first
+        self._results: OrderedDict[Hashable, object] = OrderedDict()
         self.host: CacheHost | None = None
         self.host_budget = default_host_budget() if host_budget is None else host_budget
 
@@ -151,6 +158,26 @@ class ModelCache:
             logger.info("host memory budget: dropped model %s (%s)", evicted, format_bytes(evicted_size))
         return True
 
+    def recall(self, key: Hashable) -> object | None:
+        """The result remembered under ``key`` (a model's cache key and what it was given), or None."""
+        if key not in self._results:
+            return None
+        self._results.move_to_end(key)
+        return self._results[key]
+
+    def remember(self, key: Hashable, value: object) -> object:
+        """Remember ``value`` (small, on the CPU, what the model computes the same way every time) under
+        ``key`` for :meth:`recall`, the :data:`MAX_RESULTS` most recently used kept; return it."""
+        self._results[key] = value
+        self._results.move_to_end(key)
+        while len(self._results) > MAX_RESULTS:
+            self._results.popitem(last=False)
+        return value
+
+    def forget_results(self) -> None:
+        """Forget every remembered result (the models stay)."""
+        self._results.clear()
+
     def pool_bytes(self) -> int:
         """Bytes of CPU memory the models waiting in the pool hold."""
         return sum(size for _copy, size in self._pool.values())
@@ -170,17 +197,23 @@ class ModelCache:
         return list(self._pool)
 
     def clear(self, collect: bool = True) -> int:
-        """Drop every kept model and every model waiting in host memory; return how many were kept.
-        ``collect=False`` leaves garbage collection to the caller (a weakref finalizer must not run one)."""
+        """Drop every kept model, every model waiting in host memory and the remembered results; return how
+        many models were kept. ``collect=False`` leaves garbage collection to the caller (a weakref finalizer
+        must not run one)."""
         count = len(self._models)
         self._models.clear()
         self._pool.clear()
+        self.forget_results()
         free_memory(collect=collect)
         return count
 
     def __len__(self) -> int:
         """How many models are kept (not counting those waiting in host memory)."""
         return len(self._models)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether the model of ``key`` is kept (not counting those waiting in host memory)."""
+        return key in self._models
 
     def keys(self) -> list[Hashable]:
         return list(self._models)

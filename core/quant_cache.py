@@ -58,12 +58,19 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _digest(component: str, source: Path, settings: dict, versions: dict[str, str]) -> str:
+def files_signature(source: Path) -> list[tuple[str, int, int]]:
+    """The files of ``source`` (a weights file, or a folder and everything under it) as (name, size,
+    modification time): what tells weights changed on disk from the same weights."""
     base, files = (source.parent, [source]) if source.is_file() else (source, sorted(source.rglob("*")))
-    files = [p for p in files if p.is_file()]
+    return [
+        (p.relative_to(base).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()
+    ]
+
+
+def _digest(component: str, source: Path, settings: dict, versions: dict[str, str]) -> str:
     fingerprint = {
         "component": component,
-        "files": [(p.relative_to(base).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+        "files": files_signature(source),
         "settings": {k: str(v) for k, v in sorted(settings.items())},
         "versions": versions,
     }

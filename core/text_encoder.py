@@ -174,6 +174,13 @@ def _t5_quantizing_every_linear() -> type:
     return T5EncoderQuantizedWo
 
 
+def _origin(settings: EncoderSettings) -> Path:
+    """Where T5's weights are: the single file, or the model's checked text_encoder/ folder."""
+    if isinstance(settings.weights, T5File):
+        return settings.weights.path
+    return check_weights(settings.weights.folder(["text_encoder"]) / "text_encoder", settings.weights.name)
+
+
 def _load(settings: EncoderSettings):
     """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache).
     With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to the
@@ -181,14 +188,13 @@ def _load(settings: EncoderSettings):
     weights, scheme, dtype = settings.weights, settings.scheme, settings.dtype
     model_class = t5_class(scheme)
     recipe = {"scheme": scheme.name, "dtype": dtype, "class": model_class.__name__}
+    origin = _origin(settings)
     if isinstance(weights, T5File):
-        origin = weights.path
         recipe["config"] = weights.config  # inferred, so a change in the inference is a new entry
 
         def pretrained() -> dict:
             return weights.pretrained_kwargs(dtype)
     else:
-        origin = check_weights(weights.folder(["text_encoder"]) / "text_encoder", weights.name)
 
         def pretrained() -> dict:
             return {"pretrained_model_name_or_path": origin}
@@ -228,7 +234,7 @@ def _load(settings: EncoderSettings):
     return model
 
 
-def _load_tokenizer(source: ModelSource, fallback: Path | None):
+def _tokenizer_folder(source: ModelSource, fallback: Path | None) -> Path:
     """The model's own tokenizer/, else ``fallback`` (a T5 tokenizer folder, e.g. the one ComfyUI ships)."""
     try:
         folder = source.folder(["tokenizer"])
@@ -241,8 +247,8 @@ def _load_tokenizer(source: ModelSource, fallback: Path | None):
                 f"spiece.model with tokenizer_config.json)."
             ) from exc
         logger.info("model %r has no tokenizer/; using the T5 tokenizer in %s", source.name, fallback)
-        return _read_tokenizer(fallback, _signature(fallback))
-    return _read_tokenizer(folder / "tokenizer", _signature(folder / "tokenizer"))
+        return fallback
+    return folder / "tokenizer"
 
 
 def _signature(folder: Path) -> tuple:
@@ -276,7 +282,9 @@ def encode(
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         if not isinstance(text, str):
             raise TypeError(f"{name} must be text, got {type(text).__name__}.")
-    tokenizer = _load_tokenizer(settings.model, settings.tokenizer_fallback)
+    folder = _tokenizer_folder(settings.model, settings.tokenizer_fallback)
+    tokenizer_key = (str(folder), _signature(folder))
+    tokenizer = _read_tokenizer(folder, tokenizer_key[1])
     weights = settings.weights
     if isinstance(weights, T5File) and len(tokenizer) > weights.config["vocab_size"]:
         raise ValueError(
@@ -287,7 +295,9 @@ def encode(
     for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt)):
         warn(logger, truncation_warning(tokenizer, name, text), on_warning)
     with measure.stage("t5_encode", settings.device, report, settings.out_of_memory_advice()):
-        return _encode(settings, tokenizer, prompt, negative_prompt, on_progress or _no_progress)
+        return _encode(
+            settings, tokenizer, tokenizer_key, prompt, negative_prompt, on_progress or _no_progress
+        )
 
 
 def _no_progress(_done: int, _total: int, _latents: torch.Tensor | None) -> None:
@@ -309,44 +319,74 @@ def truncation_warning(tokenizer, name: str, text: str) -> str | None:
 
 
 def _encode(
-    settings: EncoderSettings, tokenizer, prompt: str, negative_prompt: str, on_progress: ProgressCallback
+    settings: EncoderSettings,
+    tokenizer,
+    tokenizer_key: tuple,
+    prompt: str,
+    negative_prompt: str,
+    on_progress: ProgressCallback,
 ) -> PixArtEmbeds:
-    # Its own frame: once it has returned or raised, nothing here keeps T5 alive.
-    from diffusers import PixArtSigmaPipeline
-
+    """Each text's embeddings, remembered with the model (:meth:`ModelCache.recall`): T5 loads only for the
+    texts it has not encoded yet, and not at all when it has encoded both."""
     device = settings.device
     work = Workload()
-    with cache.use(
-        settings.cache_key(work),
-        lambda: _load(settings),
-        settings.keep_loaded,
-        device,
-        *settings.device_bytes(work),
-    ) as text_encoder:
-        on_progress(1, 2, None)
-        # The pipeline's own encode_prompt keeps tokenization, padding and masks identical to diffusers.
-        pipe = PixArtSigmaPipeline(
-            tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
+    model_key = settings.cache_key(work)
+    # The weights' files as they are now: weights changed on disk are not the ones that made the embeddings.
+    weights = tuple(quant_cache.files_signature(_origin(settings)))
+    keys = {
+        text: ("t5_embeddings", model_key, weights, tokenizer_key, text) for text in (prompt, negative_prompt)
+    }
+    encoded = {text: cache.recall(key) for text, key in keys.items()}
+    missing = [text for text, value in encoded.items() if value is None]
+    # A kept T5 whose stage now runs without keep_loaded is let go as after any run, even with nothing to do.
+    if missing or (model_key in cache and not settings.keep_loaded):
+        with cache.use(
+            model_key, lambda: _load(settings), settings.keep_loaded, device, *settings.device_bytes(work)
+        ) as text_encoder:
+            on_progress(1, 2, None)
+            for text in missing:
+                encoded[text] = cache.remember(
+                    keys[text], _encode_text(text_encoder, tokenizer, text, device)
+                )
+    else:
+        logger.info(
+            "t5_encode: the prompt's and the negative prompt's embeddings were remembered; T5 not loaded"
         )
-        with _without_diffusers_truncation_warning():
-            embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
-                prompt,
-                do_classifier_free_guidance=True,
-                negative_prompt=negative_prompt,
-                device=device,
-                clean_caption=False,
-                max_sequence_length=MAX_TOKENS,
-            )
-        on_progress(2, 2, None)
+        on_progress(1, 2, None)
+    on_progress(2, 2, None)
+    (embeds, mask), (neg_embeds, neg_mask) = encoded[prompt], encoded[negative_prompt]
+    # Copies: the remembered tensors stay as they were made, whatever a later node does with these.
     return PixArtEmbeds(
-        prompt_embeds=embeds.cpu(),
-        prompt_mask=mask.cpu(),
-        negative_embeds=neg_embeds.cpu(),
-        negative_mask=neg_mask.cpu(),
+        prompt_embeds=embeds.clone(),
+        prompt_mask=mask.clone(),
+        negative_embeds=neg_embeds.clone(),
+        negative_mask=neg_mask.clone(),
         model=settings.model.key,
         quantization=settings.scheme.describe(),
         dtype=embeds.dtype,
     )
+
+
+def _encode_text(
+    text_encoder, tokenizer, text: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One text's padded embeddings and mask, on the CPU. The pipeline's own encode_prompt keeps tokenization,
+    padding and masks identical to diffusers; it encodes a negative prompt exactly as a prompt (the same
+    tokens, mask and call), so a text's embeddings are the same bits in either place."""
+    from diffusers import PixArtSigmaPipeline
+
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None
+    )
+    with _without_diffusers_truncation_warning():
+        embeds, mask, _, _ = pipe.encode_prompt(
+            text,
+            do_classifier_free_guidance=False,
+            device=device,
+            clean_caption=False,
+            max_sequence_length=MAX_TOKENS,
+        )
+    return embeds.cpu(), mask.cpu()
 
 
 # diffusers' encode_prompt logs the whole cut text of a long prompt (kilobytes); :func:`truncation_warning`

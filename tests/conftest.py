@@ -88,13 +88,16 @@ def reference(tiny: ModelSource) -> SimpleNamespace:
 
 @pytest.fixture(autouse=True)
 def _empty_model_cache():
-    """Each test starts and ends with no kept models, so keep_loaded tests cannot leak into others
-    (only when there are some: clear() runs a full gc, which is slow with torch imported), and with the
-    host-memory pool off, so a test sees each stage free its model; ``host_pool`` turns the pool on."""
+    """Each test starts and ends with no kept models and no remembered embeddings, so keep_loaded tests
+    cannot leak into others (only when there are some: clear() runs a full gc, which is slow with torch
+    imported), and with the host-memory pool off, so a test sees each stage free its model; ``host_pool``
+    turns the pool on."""
     budget, cache.host_budget = cache.host_budget, 0
+    cache.forget_results()
     if len(cache) or cache.pooled():
         cache.clear()
     yield
+    cache.forget_results()
     if len(cache) or cache.pooled():
         cache.clear()
     cache.host_budget = budget
