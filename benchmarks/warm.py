@@ -14,17 +14,21 @@ pixart-full --device cuda --steps 2``):
   ``pack defaults, 3.0 GiB cap``: with the allocator capped at 3.0 GiB
   (``torch.cuda.set_per_process_memory_fraction``);
 - ``pack fast``: the sampler's compiled path;
+- ``pack step_cache T``: the sampler's First Block Cache at threshold T (lossy), with its fidelity against
+  ``pack defaults`` prompt by prompt (latent cosine, image PSNR);
 - ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB; and
   ``pack low-VRAM + fast``, the same with the compiled sampler (every row but one with expandable segments);
 - ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
   memory manager told the card has 8 GB (benchmarks/comfyui_path.py's ``simulate_card``), the loaded models
   kept referenced between prompts as a server's node cache keeps them.
 
-Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds): ``server: pack
-defaults`` (the bundled basic workflow), ``server: pack fast`` (its sampler's fast on), ``server: pack
-low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded`` (the basic workflow, every model
-kept), each without its Memory Snapshot node (an image's time, not the report's); ``server: pack int8
-MODEL, core KSampler`` (the bundled LoRA workflow without its LoRA loader); ``server: ComfyUI core fp16``
+Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds), each bundled workflow as
+shipped (its Memory Snapshot node included, which only reports unless asked for the allocator history):
+``server: pack defaults`` (the bundled basic workflow), ``server: pack defaults, no Memory Snapshot`` (the
+snapshot's cost is the difference), ``server: pack fast`` (its sampler's fast on), ``server: pack fast +
+step_cache 0.1``, ``server: pack low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded``
+(the basic workflow, every model kept); ``server: pack int8 MODEL, core KSampler`` (the bundled LoRA workflow
+without its LoRA loader); ``server: ComfyUI core fp16``
 (core's own graph: CLIPLoader T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage,
 on the single files of the same weights) with the server's defaults and with ``--disable-dynamic-vram``.
 Every server row also records the card's used memory during each prompt (``cudaMemGetInfo``, what NVML
@@ -78,6 +82,7 @@ PROMPTS = [
     ("a watercolour painting of a snowy mountain village", 4),
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
+STEP_CACHE = (0.05, 0.1, 0.2)  # the sampler's step_cache thresholds measured
 
 # PyTorch's expandable segments, as the command line asks for them (core.measure.prefer_expandable_segments).
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
@@ -87,6 +92,15 @@ CONFIGS: dict[str, dict] = {
     "pack defaults, PyTorch's default segments": {"kind": "pack"},
     "pack defaults, 3.0 GiB cap": {"kind": "pack", "cap_gib": 3.0, "env": EXPANDABLE},
     "pack fast": {"kind": "pack", "fast": True, "env": EXPANDABLE},
+    **{
+        f"pack step_cache {threshold:g}": {
+            "kind": "pack",
+            "step_cache": threshold,
+            "env": EXPANDABLE,
+            "fidelity_vs": "pack defaults",
+        }
+        for threshold in STEP_CACHE
+    },
     "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0, "env": EXPANDABLE},
     "pack low-VRAM + fast, 1.0 GiB cap": {
         "kind": "pack",
@@ -102,7 +116,9 @@ CONFIGS: dict[str, dict] = {
         "env": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     },
     "server: pack defaults": {"kind": "server"},
+    "server: pack defaults, no Memory Snapshot": {"kind": "server", "no_snapshot": True},
     "server: pack fast": {"kind": "server", "sets": ["2.fast=true"]},
+    "server: pack fast + step_cache 0.1": {"kind": "server", "sets": ["2.fast=true", "2.step_cache=0.1"]},
     "server: pack low-VRAM": {"kind": "server", "workflow": "pixart_lowvram_low_vram_api.json"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},
     # The pack's int8 MODEL under core's KSampler: the bundled LoRA workflow without its LoRA loader.
@@ -239,7 +255,7 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
     cap(config.get("cap_gib"))
     source = models.resolve_model(str(model_dir))
     low_vram, fast = config.get("low_vram", False), config.get("fast", False)
-    records, images = [], []
+    records, images, outputs = [], [], []
     for index, (text, seed) in enumerate([*PROMPTS, REPEAT][: config.get("prompts")]):
         report = measure.MemoryReport()
         with Prompt() as p, profiled(config.get("profile") if index == PROFILED else None):
@@ -254,6 +270,7 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
                 device="cuda",
                 low_vram=low_vram,
                 fast=fast,
+                step_cache=config.get("step_cache", 0.0),
                 quant_cache=quant_cache,
             )
             latents = sampler.sample(sampling, embeds, report=report)
@@ -275,6 +292,9 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
             }
         )
         images.append(image)
+        outputs.append(latents)
+    if config.get("keep_outputs"):
+        torch.save({"latents": outputs, "images": images}, config["keep_outputs"])
     return records, images
 
 
@@ -424,8 +444,8 @@ def run_server(
             if "keep_loaded" in node["inputs"]
         ]
         sets += config.get("sets", [])
-        # Without its Memory Snapshot node: an image's time, not the allocator history's and the report's.
-        workflow = without_snapshot(workflow)
+        if config.get("no_snapshot"):
+            workflow = without_snapshot(workflow)
     records, images = [], []
     with comfy_server.started(
         comfyui, base, {"pixart-full": model_dir}, sys.executable, extra_args=tuple(config.get("args", ()))
@@ -517,6 +537,8 @@ def one(name: str, args: argparse.Namespace) -> None:
     if kind == "anchor":
         records, images = run_anchor(args.model_dir)
     elif kind == "pack":
+        # Every pack row's latents and images, for the lossy rows' fidelity against their reference.
+        config = config | {"keep_outputs": str(work / f"{slug(name)}.outputs.pt")}
         records, images = run_pack(args.model_dir, config, work / "quant_cache")
     elif kind == "core":
         records, images = run_core(args.model_dir, args.comfyui, config, work / "core_models")
@@ -526,6 +548,23 @@ def one(name: str, args: argparse.Namespace) -> None:
         records, images = run_server(args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)))
     result = {"records": records, "repeat_identical": bool(torch.equal(images[0], images[-1]))}
     Path(args.one_out).write_text(json.dumps(result))
+
+
+def fidelity(ours: Path, reference: Path) -> dict:
+    """Prompt by prompt, a lossy row's latents and images against its reference row's (the same prompts and
+    seeds): the latents' cosine similarity and the 8-bit image's PSNR in dB (inf where equal)."""
+    import math
+
+    a, b = torch.load(ours), torch.load(reference)
+    cosines = [
+        float(torch.nn.functional.cosine_similarity(x.flatten().double(), y.flatten().double(), dim=0))
+        for x, y in zip(a["latents"], b["latents"], strict=True)
+    ]
+    psnrs = []
+    for x, y in zip(a["images"], b["images"], strict=True):
+        mse = float(((x * 255).round().double() - (y * 255).round().double()).pow(2).mean())
+        psnrs.append(math.inf if mse == 0 else 10 * math.log10(255**2 / mse))
+    return {"latent_cosine": cosines, "image_psnr_db": psnrs}
 
 
 def slug(name: str) -> str:
@@ -616,11 +655,67 @@ def markdown(meta: dict, results: dict) -> str:
             f"The anchor with its image written as SaveImage writes it: {both:.2f} s"
             + (f"; the server rows over that: {', '.join(servers)}." if servers else "."),
         ]
+    lossy = {name: r for name, r in results.items() if "fidelity" in r and "summary" in r}
+    if lossy:
+        lines += [
+            "",
+            "Lossy rows against their reference (the same prompts and seeds), prompts 1–5: the latents' "
+            "cosine similarity and the image's PSNR (8-bit), worst and mean; later s × the reference's later s.",
+            "",
+            "| configuration | reference | later s (× reference) | latent cosine min / mean | image PSNR dB min / mean |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, result in lossy.items():
+            reference = CONFIGS[name]["fidelity_vs"]
+            cos = result["fidelity"]["latent_cosine"][: len(PROMPTS)]
+            psnr = result["fidelity"]["image_psnr_db"][: len(PROMPTS)]
+            base = results[reference]["summary"]["later_seconds"]
+            later = result["summary"]["later_seconds"]
+            lines.append(
+                f"| {name} | {reference} | {later:.2f} ({later / base:.2f}) | {min(cos):.5f} / "
+                f"{sum(cos) / len(cos):.5f} | {min(psnr):.1f} / {sum(psnr) / len(psnr):.1f} |"
+            )
+    shipped, bare = (
+        results.get("server: pack defaults"),
+        results.get("server: pack defaults, no Memory Snapshot"),
+    )
+    if shipped and bare and "summary" in shipped and "summary" in bare:
+        cost = shipped["summary"]["later_seconds"] - bare["summary"]["later_seconds"]
+        lines += ["", f"The Memory Snapshot node as shipped (reporting only): {cost:+.3f} s a later prompt."]
     lines += ["", "Per prompt (seconds):", ""]
     for name, result in results.items():
         if "records" in result:
             lines.append(f"- {name}: " + ", ".join(f"{r['seconds']:.2f}" for r in result["records"]))
     return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, names: list[str], results: dict, work: Path) -> str:
+    """warm.json and warm.md in ``out`` from the configurations measured so far; returns the markdown."""
+    for name in names:
+        reference = CONFIGS[name].get("fidelity_vs")
+        if reference and "records" in results.get(name, {}) and "records" in results.get(reference, {}):
+            results[name]["fidelity"] = fidelity(
+                work / f"{slug(name)}.outputs.pt", work / f"{slug(reference)}.outputs.pt"
+            )
+    anchor = results.get(ANCHOR, {}).get("records")
+    anchor_later = (
+        None if not anchor else sum(r["seconds"] for r in anchor[1 : len(PROMPTS)]) / (len(PROMPTS) - 1)
+    )
+    for result in results.values():
+        if "records" in result:
+            result["summary"] = summary(result["records"], anchor_later)
+    meta = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": SETTINGS,
+        "prompts": PROMPTS,
+    }
+    (out / "warm.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    text = markdown(meta, results)
+    (out / "warm.md").write_text(text)
+    return text
 
 
 def main() -> int:
@@ -672,25 +767,8 @@ def main() -> int:
             results[name] = json.loads(one_out.read_text())
         one_out.unlink()
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    anchor = results.get(ANCHOR, {}).get("records")
-    anchor_later = (
-        None if not anchor else sum(r["seconds"] for r in anchor[1 : len(PROMPTS)]) / (len(PROMPTS) - 1)
-    )
-    for result in results.values():
-        if "records" in result:
-            result["summary"] = summary(result["records"], anchor_later)
-    meta = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "settings": SETTINGS,
-        "prompts": PROMPTS,
-    }
-    (args.out / "warm.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    text = markdown(meta, results)
-    (args.out / "warm.md").write_text(text)
-    print(text)
+        write_results(args.out, names, results, work)  # after each: a run cut short keeps what it measured
+    print(write_results(args.out, names, results, work))
     return 0
 
 

@@ -310,5 +310,12 @@ class History:
         self.run_id = None
         return snapshot
 
+    def stop(self) -> None:
+        """Stop recording, keeping nothing (nothing to do when not recording)."""
+        if self.run_id is None:
+            return
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.run_id = None
+
 
 history = History()

@@ -160,6 +160,23 @@ INPUTS = inputs.Inputs(
         help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
     ),
     inputs.slot("loras", optional=True),
+    inputs.Input(
+        "step_cache",
+        inputs.FLOAT,
+        0.0,
+        "Lossy, off at 0: reuse the transformer's work across steps (diffusers' First Block Cache). At each "
+        "step the first block runs; when its output changed by less than this fraction since the last full "
+        "step, the other blocks are skipped and their last change reused. Higher is faster and further from "
+        "the uncached image; about 0.05–0.1 is a common range. The same seed still gives the same image.",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        round=0.001,
+        optional=True,
+        hint=" (0 turns it off)",
+        help="lossy: skip the transformer's blocks 2.. on steps where the first block's output changed by less "
+        "than this fraction (diffusers' First Block Cache; 0 = off)",
+    ),
 )
 # The int8 Model Loader's: where the transformer comes from and how it is quantized.
 LOADER_INPUTS = INPUTS.only("model", "quantization", "transformer_file")
@@ -189,7 +206,9 @@ class SamplerSettings:
     unloading it. With
     ``quant_cache`` (a folder) the quantized transformer is saved there on first use and read back later
     (:mod:`quant_cache`), as T5 is. ``loras`` are added to the transformer's weights for the run
-    (:mod:`lora`): the kept and pooled transformer stays the one without them."""
+    (:mod:`lora`): the kept and pooled transformer stays the one without them. ``step_cache`` above 0 skips
+    the blocks after the first on steps where the first block's output barely changed (:func:`_step_cache`;
+    lossy)."""
 
     model: ModelSource
     width: int | None = INPUTS.field_default("width")
@@ -207,6 +226,7 @@ class SamplerSettings:
     keep_loaded: bool = INPUTS.field_default("keep_loaded")
     low_vram: bool = INPUTS.field_default("low_vram")
     fast: bool = INPUTS.field_default("fast")
+    step_cache: float = INPUTS.field_default("step_cache")
     transformer_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
     loras: tuple[lora.LoraSpec, ...] = ()
@@ -536,6 +556,48 @@ def _dense(settings: SamplerSettings, transformer, work: Workload) -> Iterator[N
         yield
 
 
+@contextlib.contextmanager
+def _step_cache(transformer, threshold: float, steps: int) -> Iterator[None]:
+    """The run with diffusers' First Block Cache on the transformer's blocks (``threshold`` > 0): each step
+    runs the first block, and where its output's change since the last full step, relative to that step's,
+    is below ``threshold`` the other blocks return at once and their last change is added instead. The
+    hooks come off after the run: the kept and pooled transformer stays the one without them. Logs on how
+    many steps the blocks after the first ran."""
+    if threshold <= 0:
+        yield
+        return
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+    from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
+    from diffusers.models.cache_utils import CacheMixin
+
+    # The last block's attention runs only on steps where the blocks after the first run.
+    full = [0]
+    counter = transformer.transformer_blocks[-1].attn1.register_forward_hook(
+        lambda *_: full.__setitem__(0, full[0] + 1)
+    )
+    apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    # Newer diffusers cache each registry's children: refreshed so the context reaches the new block hooks.
+    refresh = getattr(registry, "invalidate_child_registries_cache", lambda: None)
+    refresh()
+    try:
+        # diffusers' cache hooks keep their state per named context, which its own pipelines set with
+        # CacheMixin.cache_context (a mixin PixArt's transformer class lacks; the method uses only the module).
+        with CacheMixin.cache_context(transformer, "cfg"):
+            yield
+    finally:
+        registry.remove_hook(_FBC_LEADER_BLOCK_HOOK, recurse=True)
+        registry.remove_hook(_FBC_BLOCK_HOOK, recurse=True)
+        refresh()
+        counter.remove()
+    logger.info(
+        "sampler: step_cache %g ran every block on %d of %d steps, only the first on the others",
+        threshold,
+        full[0],
+        steps,
+    )
+
+
 COMPILE_BACKEND = "inductor"
 FAST_FIX = "Turn the sampler's fast option off (the same image, its layers run uncompiled)."
 
@@ -642,6 +704,7 @@ def _sample(
         ) as transformer,
         lora.applied(transformer, settings.loras, on_warning),
         _dense(settings, transformer, work),
+        _step_cache(transformer, settings.step_cache, total),
     ):
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule

@@ -1,9 +1,11 @@
-"""The memory record of a run (``write_report``: the stage table, the timeline picture, the allocator snapshot)
-and the timeline picture itself: CUDA memory allocated and reserved over a run, each stage shaded and the peak
-labelled, rebuilt from the allocator history (the dict ``torch.cuda.memory._snapshot()`` returns).
+"""The memory record of a run (``write_report``: the stage table, and when asked the timeline picture and the
+allocator snapshot) and the timeline picture itself: CUDA memory allocated and reserved over a run, each stage
+shaded and the peak labelled, rebuilt from the allocator history (the dict ``torch.cuda.memory._snapshot()``
+returns).
 
-Without allocator history (a CPU run, or recording off) the picture shows the per-stage figures instead, so a
-run always has one. matplotlib is imported only to draw, on its Agg canvas (no display, no network).
+Without allocator history (a CPU run, or recording off) the picture shows the per-stage figures instead.
+matplotlib is imported only to draw, on its Agg canvas (no display, no network): a record without the picture
+never imports it.
 """
 
 from __future__ import annotations
@@ -322,33 +324,44 @@ def build(stages: Sequence[StageRecord], snapshot: dict | None, since_us: int | 
 
 @dataclass
 class Record:
-    """What :func:`write_report` wrote, the timeline picture and a summary for the user."""
+    """What :func:`write_report` wrote, the timeline picture (None when none was drawn) and a summary for the
+    user."""
 
     files: list[Path]
-    picture: np.ndarray  # [H, W, 3] uint8 RGB
+    picture: np.ndarray | None  # [H, W, 3] uint8 RGB
     summary: str
 
 
-def write_report(report: measure.MemoryReport, stem: Path) -> Record:
-    """Write ``stem.md`` and ``stem.json`` (the stage table), ``stem.png`` (the memory timeline) and, when the
-    allocator history was recorded, ``stem.pickle`` (the snapshot, which also stops the recording)."""
+def write_report(
+    report: measure.MemoryReport, stem: Path, picture: bool = True, history: bool = True
+) -> Record:
+    """Write ``stem.md`` and ``stem.json`` (the stage table) and, with ``picture``, ``stem.png`` (the memory
+    timeline). With ``history``, when the allocator history was recorded, also ``stem.pickle`` (the
+    snapshot, which also stops the recording); without it the recording is left as it is.
+
+    Without ``picture`` nothing is drawn and matplotlib is not imported: the table alone costs next to
+    nothing."""
     since_us = measure.history.started_us
     pickle_path = stem.with_name(stem.name + ".pickle")
-    snapshot = measure.history.dump(pickle_path)
+    snapshot = measure.history.dump(pickle_path) if history else None
     written = report.write(stem)
     if snapshot is not None:
         written.append(pickle_path)
-    png = stem.with_name(stem.name + ".png")
     line = build(report.stages, snapshot, since_us)
-    picture = line.save(png)
-    written.append(png)
+    rgb = None
+    if picture:
+        png = stem.with_name(stem.name + ".png")
+        rgb = line.save(png)
+        written.append(png)
     lines = [
         report.markdown() if report.stages else "no stage of the pack ran in this prompt (cached outputs?)"
     ]
     lines.append(f"peak allocated over the prompt: {format_bytes(report.peak_allocated)}")
     if line.peak is not None:
         lines.append(f"timeline: {line.peak.label()}")
-    if snapshot is None:
+    if not history:
+        lines.append("no allocator history: not asked for")
+    elif snapshot is None:
         problem = measure.history_problem()
         lines.append(
             f"{NO_CUDA}: no allocator snapshot"
@@ -356,9 +369,11 @@ def write_report(report: measure.MemoryReport, stem: Path) -> Record:
             else f"no allocator history: {problem or 'none was recorded in this prompt'}"
         )
     lines.append("files: " + ", ".join(p.name for p in written))
-    return Record(written, picture, "\n".join(lines))
+    return Record(written, rgb, "\n".join(lines))
 
 
-def write_record(report: measure.MemoryReport, folder: Path, prefix: str) -> Record:
+def write_record(
+    report: measure.MemoryReport, folder: Path, prefix: str, picture: bool = True, history: bool = True
+) -> Record:
     """:func:`write_report` under the next free ``prefix_NNNNN`` name in ``folder``."""
-    return write_report(report, outputs.next_stem(folder, prefix))
+    return write_report(report, outputs.next_stem(folder, prefix), picture, history)

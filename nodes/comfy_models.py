@@ -198,20 +198,30 @@ class NodeLease:
         )
 
 
-def running_prompt_has_model_nodes() -> bool:
-    """Whether the prompt the server is running has a node of the pack's model nodes (False outside a
-    server, or between prompts)."""
+def _running_items() -> list:
+    """The server's running queue items, (number, prompt id, prompt, …); none outside a server."""
     server = sys.modules.get("server")  # ComfyUI's; never imported here (a finalizer may ask)
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
     queue = getattr(instance, "prompt_queue", None)
     if queue is None:
-        return False
+        return []
     running, _queued = queue.get_current_queue_volatile()
+    return running
+
+
+def running_prompt_has_model_nodes() -> bool:
+    """Whether the prompt the server is running has a node of the pack's model nodes (False outside a
+    server, or between prompts)."""
     return any(
         isinstance(node, dict) and node.get("class_type") in MODEL_NODES
-        for item in running
+        for item in _running_items()
         for node in item[2].values()
     )
+
+
+def running_prompt(prompt_id: str) -> dict | None:
+    """The prompt (API format, as queued) the server is running under ``prompt_id``; None outside a server."""
+    return next((item[2] for item in _running_items() if item[1] == prompt_id), None)
 
 
 LEASE = NodeLease(cache)

@@ -23,6 +23,8 @@ from . import comfy_models
 
 CATEGORY = "PixArt-Σ low VRAM"
 SNAPSHOT_NODE_ID = "PixArtQ_MemorySnapshot"
+# Memory Snapshot's input that asks the pack's nodes for the CUDA allocator history, read by begin_stage.
+HISTORY_INPUT = "allocator_history"
 # The choice of a single file input (t5_file, transformer_file, vae_file) that means the model's own folder.
 FROM_MODEL = "(from model)"
 
@@ -141,12 +143,46 @@ def report() -> measure.MemoryReport:
     return measure.reports.get(prompt_id) if prompt_id is not None else measure.MemoryReport()
 
 
+def original_prompt(dynprompt) -> dict:
+    """The prompt as queued (API format: node id → class_type and inputs); empty without one."""
+    return dynprompt.get_original_prompt() if dynprompt is not None else {}
+
+
+def _is_link(value: object) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
+
+
+def history_asked(prompt: dict, skip: str | None = None) -> bool:
+    """Whether a Memory Snapshot node of ``prompt`` (other than node ``skip``) asks for the allocator history:
+    its ``allocator_history`` is true, or linked (a linked value is known only when the node runs, so it
+    counts as asked)."""
+    for node_id, node in prompt.items():
+        if not isinstance(node, dict) or node.get("class_type") != SNAPSHOT_NODE_ID or str(node_id) == skip:
+            continue
+        value = node.get("inputs", {}).get(HISTORY_INPUT)
+        if value is True or _is_link(value):
+            return True
+    return False
+
+
+def output_linked(prompt: dict, node_id: str | None, slot: int) -> bool:
+    """Whether a node of ``prompt`` takes output ``slot`` of node ``node_id``."""
+    return node_id is not None and any(
+        _is_link(value) and str(value[0]) == str(node_id) and value[1] == slot
+        for node in prompt.values()
+        if isinstance(node, dict)
+        for value in node.get("inputs", {}).values()
+    )
+
+
 def begin_stage(dynprompt) -> measure.MemoryReport:
     """Called first by each model node: starts the allocator history when this prompt holds a Memory
-    Snapshot node (so the snapshot covers every stage), and returns this prompt's report."""
-    prompt = dynprompt.get_original_prompt() if dynprompt is not None else {}
-    if any(isinstance(node, dict) and node.get("class_type") == SNAPSHOT_NODE_ID for node in prompt.values()):
+    Snapshot node that asks for it (so the snapshot covers every stage), else stops one left running by an
+    earlier prompt; returns this prompt's report."""
+    if history_asked(original_prompt(dynprompt)):
         measure.history.ensure(run_id() or "no-prompt")
+    else:
+        measure.history.stop()
     return report()
 
 

@@ -99,6 +99,10 @@ def test_basic_workflow_renders_an_image_and_a_memory_record(server):
     (md,) = new_files(server.output, before, "pixart_memory_*.md")
     (record,) = new_files(server.output, before, "pixart_memory_*.json")
     assert md.name in text and record.name in text
+    # allocator_history off, the timeline unlinked: the table only, nothing drawn.
+    assert new_files(server.output, before, "pixart_memory_*.png") == []
+    assert new_files(server.output, before, "pixart_memory_*.pickle") == []
+    assert "images" not in run.outputs[snapshot]
     stages = [stage["stage"] for stage in json.loads(record.read_text())["stages"]]
     cached = {node for data in run.of_type("execution_cached") for node in data["nodes"]}
     expected = ["sample", "vae_decode"]

@@ -1,5 +1,6 @@
 """Memory Snapshot's timeline in a real ComfyUI server (the ``comfyui`` tier): the picture shown on the node
-with the stage table, the same picture on its IMAGE output, and the files in the output folder."""
+with the stage table, the same picture on its IMAGE output, and the files in the output folder; without
+allocator history and with the output unlinked, the table alone."""
 
 from __future__ import annotations
 
@@ -63,3 +64,32 @@ def test_basic_workflow_shows_and_writes_the_timeline(server):
     (output,) = run.outputs["timeline_save"]["images"]
     with Image.open(server.output / output["subfolder"] / output["filename"]) as from_output:
         assert np.array_equal(np.asarray(from_output.convert("RGB"), dtype=np.int16), shown)
+
+
+def test_a_timeline_linked_after_a_run_is_drawn_not_taken_from_the_cache(server):
+    """The basic workflow only reports (allocator_history off, timeline unlinked): no picture, no .png.
+    Queued again with the timeline linked and every input unchanged, the node runs again and draws: ComfyUI
+    caches on a node's inputs, not on what takes its outputs, and the placeholder is not reused."""
+    prompt = basic_prompt()
+    snapshot = node_id(prompt, "PixArtQ_MemorySnapshot")
+    prompt[snapshot]["inputs"]["filename_prefix"] = "relinked"  # a node of its own in the server's cache
+    assert prompt[snapshot]["inputs"]["allocator_history"] is False
+    before = set(server.output.iterdir())
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    assert "images" not in run.outputs[snapshot], "no picture on the node"
+    assert "not asked for" in run.text(snapshot)
+    assert sorted(p.suffix for p in new_files(server.output, before, "relinked_*")) == [".json", ".md"]
+
+    prompt["timeline_save"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": [snapshot, 1], "filename_prefix": "relinked_output"},
+    }
+    run = server.run(prompt)
+    assert run.status == "success", run.error
+    assert snapshot in run.executed
+    (output,) = run.outputs["timeline_save"]["images"]
+    with Image.open(server.output / output["subfolder"] / output["filename"]) as image:
+        assert image.size == PICTURE_SIZE
+    (preview,) = run.outputs[snapshot]["images"]
+    assert preview["type"] == "temp"

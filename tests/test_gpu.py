@@ -77,6 +77,7 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
     def run(keep_loaded=False):
         if stage == "text_encoder":
             settings = text_encoder.EncoderSettings(tiny, device=cuda, keep_loaded=keep_loaded)
+            cache.forget_results()  # T5 runs, not the remembered embeddings
             return text_encoder.encode(settings, "a red cat")
         if stage == "transformer":
             settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, keep_loaded=keep_loaded)
@@ -114,6 +115,7 @@ def test_pooled_models_leave_the_gpu_and_come_back_bit_identical(
     def run():
         if stage == "text_encoder":
             settings = text_encoder.EncoderSettings(tiny, device=cuda, **options)
+            cache.forget_results()  # T5 runs, not the remembered embeddings
             return text_encoder.encode(settings, "a red cat").prompt_embeds
         if stage == "transformer":
             settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, **options)
@@ -423,3 +425,53 @@ def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
     assert torch.equal(dense, per_call)  # exact: the same expansion and sum on the same values
     assert _cosine(dense, plain) < 0.9999
     assert torch.cuda.memory_allocated(cuda) == before
+
+
+def test_remembered_embeddings_on_cuda_same_image_and_nothing_on_the_gpu(tiny, cuda, load_spy):
+    """T5 on CUDA encodes a negative prompt once: a later prompt with the same negative encodes only itself
+    and gives the bits a fresh encode gives; a prompt whose texts were both seen loads nothing; the
+    remembered embeddings live in CPU memory, so after the stage (and after Free VRAM) the GPU holds what it
+    held before."""
+    from pixart_lowvram.core.pool import free_all
+
+    settings = text_encoder.EncoderSettings(tiny, device=cuda)
+    text_encoder.encode(settings, "a red cat", "dark")
+    before = torch.cuda.memory_allocated(cuda)
+    remembered = text_encoder.encode(settings, "a lighthouse", "dark")
+    assert remembered.negative_embeds.device.type == "cpu"
+    again = text_encoder.encode(settings, "a lighthouse", "dark")
+    assert load_spy.count("text_encoder") == 2, "the third encode loaded nothing"
+    cache.forget_results()
+    fresh = text_encoder.encode(settings, "a lighthouse", "dark")
+    for name in ("prompt_embeds", "negative_embeds", "prompt_mask", "negative_mask"):
+        assert torch.equal(getattr(remembered, name), getattr(fresh, name)), name
+        assert torch.equal(getattr(again, name), getattr(fresh, name)), name
+    assert torch.cuda.memory_allocated(cuda) == before
+    free_all()
+    assert torch.cuda.memory_allocated(cuda) <= before
+
+
+def test_step_cache_on_cuda_bounded_and_nothing_left(tiny, reference, cuda, caplog):
+    """The sampler's step_cache on CUDA (the qint8 transformer with its weights held expanded): below every
+    step's change the uncached bits; at 0.5 fewer full steps and latents near the uncached ones; the same
+    seed gives the same latents; no hook and nothing allocated stay after the run (with fast, too)."""
+    import logging
+
+    options = {**SETTINGS, "steps": 10, "device": cuda, "quantization": "qint8"}
+    uncached = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
+    before = torch.cuda.memory_allocated(cuda)
+    tiny_threshold = sampler.sample(
+        sampler.SamplerSettings(tiny, **options, step_cache=1e-9), reference.embeds
+    )
+    assert torch.equal(tiny_threshold, uncached)
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.sampler"):
+        cached = sampler.sample(sampler.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds)
+    assert "ran every block on" in caplog.text and "on 10 of 10 steps" not in caplog.text
+    assert torch.equal(
+        cached, sampler.sample(sampler.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds)
+    )
+    assert 0.9 < _cosine(cached, uncached) < 1.0
+    assert torch.cuda.memory_allocated(cuda) == before
+    fast = sampler.SamplerSettings(tiny, **options, step_cache=0.5, fast=True)
+    _settled(lambda: sampler.sample(fast, reference.embeds))
+    assert torch.equal(sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds), uncached)

@@ -8,9 +8,11 @@ active; ComfyUI's modules, once imported, stay in sys.modules as in ComfyUI's ow
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -95,7 +97,9 @@ class Prompt:
             self.comfy.io.Hidden.dynprompt: DynamicPrompt(self.graph),
             self.comfy.io.Hidden.unique_id: node_id,
         }
-        clone = node.PREPARE_CLASS_CLONE({"hidden_inputs": hidden})
+        # v0.8 on take ComfyUI's V3Data ({"hidden_inputs": …}); v0.3.64 the hidden inputs themselves.
+        takes_v3_data = "v3_data" in inspect.signature(node.PREPARE_CLASS_CLONE).parameters
+        clone = node.PREPARE_CLASS_CLONE({"hidden_inputs": hidden} if takes_v3_data else hidden)
         with self.comfy.context(self.id, node_id):
             return clone.execute(**inputs)
 
@@ -294,20 +298,94 @@ def test_memory_report_collects_the_prompt_stages(chain):
     assert all(stage.device == "cpu" and stage.error is None for stage in stages)
 
 
-def test_memory_snapshot_writes_its_record_to_the_output_folder(comfy, chain):
+@pytest.fixture
+def no_drawing(monkeypatch):
+    """The timeline picture fails when drawn (matplotlib is not to be used)."""
+    from pixart_lowvram.core import timeline
+
+    def draw(*args, **kwargs):
+        raise AssertionError("the timeline picture was drawn")
+
+    monkeypatch.setattr(timeline.Timeline, "picture", draw)
+
+
+def test_memory_snapshot_writes_its_record_to_the_output_folder(comfy, chain, no_drawing):
+    """allocator_history off (the default) and the timeline output unlinked: the table only, fast."""
+    start = time.perf_counter()
     out = chain.prompt.call("4", value=chain.images, filename_prefix="direct")
+    seconds = time.perf_counter() - start
     assert out.result[0] is chain.images
-    timeline = out.result[1]
-    assert timeline.ndim == 4 and timeline.shape[0] == 1 and timeline.shape[-1] == 3
-    (text,) = out.ui["text"]  # the picture and the table together: a plain dict
-    assert out.ui["images"], "the timeline is shown on the node"
-    assert "no CUDA" in text and "vae_decode" in text
+    placeholder = out.result[1]
+    assert placeholder.shape == (1, 64, 64, 3) and not placeholder.any()
+    (text,) = out.ui["text"]  # a plain dict
+    assert "images" not in out.ui, "no picture on the node"
+    assert "no CUDA" in text and "vae_decode" in text and "not asked for" in text
     record = comfy.output / "direct_00001.json"
-    assert (comfy.output / "direct_00001.md").is_file()
-    assert (comfy.output / "direct_00001.png").is_file()
+    assert sorted(p.name for p in comfy.output.glob("direct_*")) == ["direct_00001.json", "direct_00001.md"]
     assert record.name in text
     stages = [stage["stage"] for stage in json.loads(record.read_text())["stages"]]
     assert stages == ["t5_encode", "sample", "vae_decode"]
+    assert seconds < 0.5, seconds  # next to nothing; generous for a loaded machine
+
+
+def test_memory_snapshot_draws_when_its_timeline_is_linked(comfy, chain):
+    graph = {
+        **GRAPH,
+        "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 1], "filename_prefix": "timeline"}},
+    }
+    graph["4"] = {**GRAPH["4"], "inputs": {**GRAPH["4"]["inputs"], "filename_prefix": "linked"}}
+    prompt = Prompt(comfy, graph)
+    prompt.id = chain.prompt.id  # the chain's stages
+    out = prompt.call("4", value=chain.images, filename_prefix="linked")
+    timeline = out.result[1]
+    assert timeline.ndim == 4 and timeline.shape[0] == 1 and timeline.shape[1:] == (500, 1000, 3)
+    assert out.ui["images"], "the timeline is shown on the node"
+    (text,) = out.ui["text"]
+    assert sorted(p.name for p in comfy.output.glob("linked_*")) == [
+        "linked_00001.json",
+        "linked_00001.md",
+        "linked_00001.png",
+    ]
+    assert "linked_00001.png" in text
+
+
+def test_memory_snapshot_draws_with_allocator_history(comfy, chain):
+    out = chain.prompt.call("4", value=chain.images, filename_prefix="history", allocator_history=True)
+    assert out.result[1].shape[1:] == (500, 1000, 3) and out.ui["images"]
+    (text,) = out.ui["text"]
+    names = sorted(p.name for p in comfy.output.glob("history_*"))
+    expected = ["history_00001.json", "history_00001.md", "history_00001.png"]
+    if torch.cuda.is_available():
+        assert "history_00001.pickle" in names
+    else:
+        assert names == expected and "no CUDA" in text
+
+
+@pytest.mark.parametrize(
+    ("snapshot_inputs", "asked"),
+    [
+        (None, False),  # no Memory Snapshot node
+        ({}, False),  # saved before allocator_history: the default, off
+        ({"allocator_history": False}, False),
+        ({"allocator_history": True}, True),
+        ({"allocator_history": ["9", 0]}, True),  # linked: read only when it runs, so taken as asked
+    ],
+)
+def test_begin_stage_records_the_history_only_when_asked(comfy, monkeypatch, snapshot_inputs, asked):
+    from comfy_execution.graph import DynamicPrompt
+
+    from pixart_lowvram.nodes import common
+
+    calls = []
+    monkeypatch.setattr(measure.history, "ensure", lambda run_id: calls.append(run_id) or True)
+    monkeypatch.setattr(measure.history, "stop", lambda: calls.append("stop"))
+    graph = {"1": {"class_type": "PixArtQ_T5Encode", "inputs": {}}}
+    if snapshot_inputs is not None:
+        inputs = {"value": ["1", 0], "filename_prefix": "x", **snapshot_inputs}
+        graph["4"] = {"class_type": "PixArtQ_MemorySnapshot", "inputs": inputs}
+    with comfy.context("prompt-1", "1"):
+        common.begin_stage(DynamicPrompt(graph))
+    assert calls == (["prompt-1"] if asked else ["stop"])
 
 
 def test_memory_snapshot_refuses_a_prefix_outside_the_output_folder(comfy, chain):

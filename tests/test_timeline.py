@@ -4,6 +4,8 @@ picture with and without CUDA history, and the report files of Memory Snapshot a
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -246,6 +248,92 @@ def test_no_history_under_cuda_malloc_async(tmp_path, monkeypatch, caplog):
     assert "no allocator history: PyTorch's cudaMallocAsync allocator keeps none" in record.summary
     assert "--disable-cuda-malloc" in record.summary
     assert sorted(p.suffix for p in record.files) == [".json", ".md", ".png"]
+
+
+def test_write_record_without_the_picture_writes_the_table_only(tmp_path, monkeypatch):
+    """Memory Snapshot with allocator_history off: the stage table alone, nothing drawn, no history asked."""
+
+    def no_drawing(*args, **kwargs):
+        raise AssertionError("the picture was drawn")
+
+    def no_history(*args, **kwargs):
+        raise AssertionError("the allocator history was dumped")
+
+    monkeypatch.setattr(timeline.Timeline, "picture", no_drawing)
+    monkeypatch.setattr(measure.history, "dump", no_history)
+    report = measure.MemoryReport()
+    report.add(
+        StageRecord(stage="sample", device="cuda:0", seconds=1.0, peak_allocated=MiB, peak_reserved=MiB)
+    )
+    record = timeline.write_record(report, tmp_path, "pixart_memory", picture=False, history=False)
+    assert record.picture is None
+    assert sorted(p.name for p in record.files) == ["pixart_memory_00001.json", "pixart_memory_00001.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "pixart_memory_00001.json",
+        "pixart_memory_00001.md",
+    ]
+    assert "| sample |" in record.summary and "no allocator history: not asked for" in record.summary
+    assert "files: pixart_memory_00001.json, pixart_memory_00001.md" in record.summary
+
+
+def test_history_off_leaves_a_recording_alone(tmp_path, monkeypatch):
+    """A snapshot node that does not ask neither dumps nor stops a recording another one asked for."""
+    recording = measure.History()
+    recording.run_id = "prompt-1"
+    monkeypatch.setattr(measure, "history", recording)
+    record = timeline.write_record(
+        measure.MemoryReport(), tmp_path, "pixart_memory", picture=True, history=False
+    )
+    assert recording.run_id == "prompt-1"
+    assert sorted(p.suffix for p in record.files) == [".json", ".md", ".png"]
+    assert record.picture is not None
+
+
+def test_history_stop_forgets_the_recording(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: calls.append(kwargs))
+    history = measure.History()
+    history.stop()
+    assert calls == []  # not recording: nothing to stop
+    history.run_id = "prompt-1"
+    history.stop()
+    assert calls == [{"enabled": None}] and history.run_id is None
+
+
+# A fresh interpreter: the table alone must not import matplotlib (its import alone takes a tenth of a
+# second or more).
+TABLE_ONLY = """
+import json, sys, time
+from pathlib import Path
+from pixart_lowvram.core import measure, timeline
+
+report = measure.MemoryReport()
+with measure.stage("t5_encode", "cpu", report):
+    pass
+start = time.perf_counter()
+record = timeline.write_record(report, Path(sys.argv[1]), "pixart_memory", picture=False, history=False)
+print(json.dumps({
+    "seconds": time.perf_counter() - start,
+    "files": sorted(p.name for p in record.files),
+    "matplotlib": sorted(m for m in sys.modules if m.split(".")[0] == "matplotlib"),
+}))
+"""
+
+
+def test_the_table_alone_does_not_import_matplotlib(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", TABLE_ONLY, str(tmp_path / "out")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["matplotlib"] == []
+    assert result["files"] == ["pixart_memory_00001.json", "pixart_memory_00001.md"]
+    assert result["seconds"] < 0.5, result  # next to nothing; generous for a loaded machine
 
 
 @pytest.mark.parametrize("prefix", ["../escape", "a/b", "/abs", ".hidden", ""])

@@ -46,10 +46,11 @@ WIDGETS = {
         "low_vram",
         "transformer_file",
         "fast",
+        "step_cache",
     ),
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": (),
-    "PixArtQ_MemorySnapshot": ("filename_prefix",),
+    "PixArtQ_MemorySnapshot": ("filename_prefix", "allocator_history"),
     "PixArtQ_ModelLoader": ("model", "quantization", "transformer_file"),
     "PixArtQ_LoRA": ("lora_name", "strength"),
     "SaveImage": ("filename_prefix",),
@@ -101,12 +102,13 @@ INPUT_ORDER = {
         "embeds",
         *WIDGETS["PixArtQ_Sampler"][1:9],
         "latent",
-        *WIDGETS["PixArtQ_Sampler"][9:],
+        *WIDGETS["PixArtQ_Sampler"][9:-1],
         "loras",
+        "step_cache",
     ),
     "PixArtQ_VAEDecode": ("model", "latent", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": ("value",),
-    "PixArtQ_MemorySnapshot": ("value", "filename_prefix"),
+    "PixArtQ_MemorySnapshot": ("value", "filename_prefix", "allocator_history"),
     "PixArtQ_ModelLoader": WIDGETS["PixArtQ_ModelLoader"],
     "PixArtQ_LoRA": ("lora_name", "strength", "loras"),
     "SaveImage": ("images", "filename_prefix"),
@@ -472,6 +474,10 @@ def test_memory_debug_workflow_frees_after_every_stage_and_snapshots():
         "PixArtQ_MemorySnapshot",
         "SaveImage",
     ]
+    # The debugging workflow records the allocator history; the basic one only reports (the default).
+    (debug,) = widgets_of("memory_debug", "PixArtQ_MemorySnapshot")
+    (basic,) = widgets_of("basic", "PixArtQ_MemorySnapshot")
+    assert debug["allocator_history"] is True and basic["allocator_history"] is False
 
 
 def test_with_core_nodes_workflow_decodes_the_latent_with_core_nodes():
