@@ -558,7 +558,7 @@ def fidelity(ours: Path, reference: Path) -> dict:
     seeds): the latents' cosine similarity and the 8-bit image's PSNR in dB (inf where equal)."""
     import math
 
-    a, b = torch.load(ours), torch.load(reference)
+    a, b = torch.load(ours, weights_only=True), torch.load(reference, weights_only=True)
     cosines = [
         float(torch.nn.functional.cosine_similarity(x.flatten().double(), y.flatten().double(), dim=0))
         for x, y in zip(a["latents"], b["latents"], strict=True)
