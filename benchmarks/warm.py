@@ -705,7 +705,13 @@ def write_results(out: Path, names: list[str], results: dict, work: Path) -> str
     """warm.json and warm.md in ``out`` from the configurations measured so far; returns the markdown."""
     for name in names:
         reference = CONFIGS[name].get("fidelity_vs")
-        if reference and "records" in results.get(name, {}) and "records" in results.get(reference, {}):
+        done = "fidelity" in results.get(name, {})  # written after every row: compared once
+        if (
+            reference
+            and not done
+            and "records" in results.get(name, {})
+            and "records" in results.get(reference, {})
+        ):
             results[name]["fidelity"] = fidelity(
                 work / f"{slug(name)}.outputs.pt", work / f"{slug(reference)}.outputs.pt"
             )

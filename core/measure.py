@@ -306,8 +306,7 @@ class History:
         snapshot = torch.cuda.memory._snapshot()
         with open(path, "wb") as f:
             pickle.dump(snapshot, f)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        self.run_id = None
+        self.stop()
         return snapshot
 
     def stop(self) -> None:

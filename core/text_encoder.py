@@ -175,10 +175,11 @@ def _t5_quantizing_every_linear() -> type:
 
 
 def _origin(settings: EncoderSettings) -> Path:
-    """Where T5's weights are: the single file, or the model's checked text_encoder/ folder."""
+    """Where T5's weights are: the single file, or the model's text_encoder/ folder (:func:`_load` checks
+    its files when it reads them)."""
     if isinstance(settings.weights, T5File):
         return settings.weights.path
-    return check_weights(settings.weights.folder(["text_encoder"]) / "text_encoder", settings.weights.name)
+    return settings.weights.folder(["text_encoder"]) / "text_encoder"
 
 
 def _load(settings: EncoderSettings):
@@ -195,6 +196,7 @@ def _load(settings: EncoderSettings):
         def pretrained() -> dict:
             return weights.pretrained_kwargs(dtype)
     else:
+        check_weights(origin, weights.name)
 
         def pretrained() -> dict:
             return {"pretrained_model_name_or_path": origin}
@@ -283,8 +285,9 @@ def encode(
         if not isinstance(text, str):
             raise TypeError(f"{name} must be text, got {type(text).__name__}.")
     folder = _tokenizer_folder(settings.model, settings.tokenizer_fallback)
-    tokenizer_key = (str(folder), _signature(folder))
-    tokenizer = _read_tokenizer(folder, tokenizer_key[1])
+    signature = _signature(folder)
+    tokenizer = _read_tokenizer(folder, signature)
+    tokenizer_key = (str(folder), signature)
     weights = settings.weights
     if isinstance(weights, T5File) and len(tokenizer) > weights.config["vocab_size"]:
         raise ValueError(
