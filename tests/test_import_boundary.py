@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from fresh_python import probe
+
 COMFY_MODULES = ("comfy", "comfy_api", "folder_paths", "server", "nodes", "comfy_execution", "execution")
 
 # Runs in a fresh interpreter: ComfyUI's module names are made unimportable before the pack is
@@ -61,16 +63,7 @@ PROBE = textwrap.dedent(
 
 def test_core_imports_without_comfyui(tmp_path: Path) -> None:
     # cwd outside the repository, so the repository root's own nodes/ is not importable as `nodes`.
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(COMFY_MODULES)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = probe(PROBE, json.dumps(COMFY_MODULES), cwd=tmp_path)
 
     expected = {f"pixart_lowvram.cli.{name}" for name in ("client", "commands", "main", "random_model")} | {
         f"pixart_lowvram.core.{name}"

@@ -4,12 +4,11 @@ picture with and without CUDA history, and the report files of Memory Snapshot a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from fresh_python import probe
 from PIL import Image
 
 from pixart_lowvram.cli import main as cli
@@ -321,16 +320,7 @@ print(json.dumps({
 
 
 def test_the_table_alone_does_not_import_matplotlib(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", TABLE_ONLY, str(tmp_path / "out")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = probe(TABLE_ONLY, str(tmp_path / "out"), cwd=tmp_path)
     assert result["matplotlib"] == []
     assert result["files"] == ["pixart_memory_00001.json", "pixart_memory_00001.md"]
     assert result["seconds"] < 0.5, result  # next to nothing; generous for a loaded machine
