@@ -101,6 +101,24 @@ CONFIGS: dict[str, dict] = {
         }
         for threshold in STEP_CACHE
     },
+    # The sampler's 8-bit compute paths (benchmarks/compute.py measures the stage alone), with their
+    # fidelity against the fp16 compute of the defaults.
+    **{
+        f"pack compute {compute}": {
+            "kind": "pack",
+            "compute": compute,
+            "env": EXPANDABLE,
+            "fidelity_vs": "pack defaults",
+        }
+        for compute in ("int8", "fp8")
+    },
+    "pack fast, compute auto (fp8 on fp8 cards)": {
+        "kind": "pack",
+        "fast": True,
+        "compute": "auto",
+        "env": EXPANDABLE,
+        "fidelity_vs": "pack defaults",
+    },
     "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0, "env": EXPANDABLE},
     "pack low-VRAM + fast, 1.0 GiB cap": {
         "kind": "pack",
@@ -119,6 +137,8 @@ CONFIGS: dict[str, dict] = {
     "server: pack defaults, no Memory Snapshot": {"kind": "server", "no_snapshot": True},
     "server: pack fast": {"kind": "server", "sets": ["2.fast=true"]},
     "server: pack fast + step_cache 0.1": {"kind": "server", "sets": ["2.fast=true", "2.step_cache=0.1"]},
+    "server: pack compute fp8": {"kind": "server", "sets": ["2.compute=fp8"]},
+    "server: pack compute fp8, no Memory Snapshot": {"kind": "server", "sets": ["2.compute=fp8"], "no_snapshot": True},
     "server: pack low-VRAM": {"kind": "server", "workflow": "pixart_lowvram_low_vram_api.json"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},
     # The pack's int8 MODEL under core's KSampler: the bundled LoRA workflow without its LoRA loader.
@@ -126,6 +146,12 @@ CONFIGS: dict[str, dict] = {
         "kind": "server",
         "workflow": "pixart_lowvram_lora_ksampler_api.json",
         "drop": ("LoraLoaderModelOnly",),
+    },
+    "server: pack int8 MODEL compute fp8, core KSampler": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "drop": ("LoraLoaderModelOnly",),
+        "sets": ["2.compute=fp8"],
     },
     # ComfyUI core's own fp16 PixArt-Σ as its users build it, through the same server (its defaults:
     # Dynamic VRAM on NVIDIA), and with Dynamic VRAM off.
@@ -271,6 +297,7 @@ def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dic
                 low_vram=low_vram,
                 fast=fast,
                 step_cache=config.get("step_cache", 0.0),
+                compute=config.get("compute", "fp16"),
                 quant_cache=quant_cache,
             )
             latents = sampler.sample(sampling, embeds, report=report)

@@ -4,8 +4,9 @@ A LoRA file holds, for some of the transformer's layers, two low-rank factors ``
 ``down`` ``[rank, in]`` (and optionally an ``alpha``): the layer's weight becomes
 ``W + strength × alpha / rank × up @ down``. The quantized layers keep their int8 weights as they are; the
 sum is formed from the weight each layer expands anyway (:class:`~.quant.quanto.ScaledWeightLinear`'s
-``weight_patch``), per call or once per run where the sampler holds the weights expanded, so no float copy
-of the transformer is ever made or kept, and the model a prompt leaves in the pool is the one without
+``weight_patch``), per call or once per run where the sampler holds the weights expanded — or, on a layer
+computing in 8 bits, as a low-rank branch beside its product (:class:`~.quant.compute.LowRank`) — so no
+float copy of the transformer is ever made or kept, and the model a prompt leaves in the pool is the one without
 LoRAs. An unquantized layer (``proj_out``, or every layer with quantization ``none``) gets the same sum
 through torch's parametrizations, undone after the run.
 
@@ -26,6 +27,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .contract import WarningCallback, warn
+from .quant.compute import FP16, LowRank
 from .quant.quanto import ScaledWeightConv2d, ScaledWeightLinear
 
 logger = logging.getLogger(__name__)
@@ -210,14 +212,20 @@ def _patchable(layer: torch.nn.Module | None) -> bool:
 
 
 def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
-    if isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
+    if isinstance(layer, ScaledWeightLinear) and layer.compute != FP16:
+        # An 8-bit layer's weight is never patched: the LoRA runs beside its product.
+        device, dtype = layer.weight.device, layer.weight_scale.dtype
+        layer.low_rank = tuple(LowRank(f.up, f.down, f.scale).on(device, dtype) for f in patch.factors)
+    elif isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
         layer.weight_patch = patch
     else:
         parametrize.register_parametrization(layer, "weight", _Parametrization(patch), unsafe=True)
 
 
 def _detach(layer: torch.nn.Module) -> None:
-    if isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
+    if isinstance(layer, ScaledWeightLinear):
+        layer.weight_patch, layer.low_rank = None, ()
+    elif isinstance(layer, ScaledWeightConv2d):
         layer.weight_patch = None
     elif parametrize.is_parametrized(layer, "weight"):
         parametrize.remove_parametrizations(layer, "weight", leave_parametrized=False)

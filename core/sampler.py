@@ -30,7 +30,8 @@ from .devices import as_device, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource, check_weights
 from .pool import cache
-from .quant import TRANSFORMER_SCHEMES, Scheme, choose
+from .quant import TRANSFORMER_SCHEMES, Scheme, choose, quanto
+from .quant import compute as compute_paths
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
 from .single_files import TransformerFile, read_transformer_file
 
@@ -40,6 +41,7 @@ MAX_BATCH = 64
 MAX_STEPS = 1000
 MAX_CFG = 100.0
 MAX_SEED = 2**64 - 1
+AUTO_COMPUTE = "auto"
 CUSTOM_RESOLUTION = "custom"
 NATIVE_RESOLUTION = "native"  # a square of the model's own size (its transformer's sample_size × 8)
 
@@ -177,9 +179,21 @@ INPUTS = inputs.Inputs(
         help="lossy: skip the transformer's blocks 2.. on steps where the first block's output changed by less "
         "than this fraction (diffusers' First Block Cache; 0 = off)",
     ),
+    inputs.Input(
+        "compute",
+        inputs.CHOICE,
+        AUTO_COMPUTE,
+        f"How the transformer's blocks compute. {AUTO_COMPUTE}: fp16, or with fast the 8-bit path this GPU "
+        f"runs fastest (fp8 on RTX 40, L4, H100 and newer). {compute_paths.tooltip()} The 8-bit paths are close "
+        "to fp16's image, not equal to it.",
+        choices=[AUTO_COMPUTE, *compute_paths.COMPUTES],
+        optional=True,
+        checked=False,  # compute_paths.require(), against the device and the quantization
+        help=f"{AUTO_COMPUTE}: fp16, or with --fast the fastest 8-bit path of this GPU. {compute_paths.tooltip()}",
+    ),
 )
-# The int8 Model Loader's: where the transformer comes from and how it is quantized.
-LOADER_INPUTS = INPUTS.only("model", "quantization", "transformer_file")
+# The int8 Model Loader's: where the transformer comes from, how it is quantized and how it computes.
+LOADER_INPUTS = INPUTS.only("model", "quantization", "transformer_file", "compute")
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,7 @@ class SamplerSettings:
     low_vram: bool = INPUTS.field_default("low_vram")
     fast: bool = INPUTS.field_default("fast")
     step_cache: float = INPUTS.field_default("step_cache")
+    compute: str = INPUTS.field_default("compute")
     transformer_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
     loras: tuple[lora.LoraSpec, ...] = ()
@@ -258,6 +273,7 @@ class SamplerSettings:
             if isinstance(weights, TransformerFile)
             else self.model.config("transformer"),
         }
+        derived["compute"] = resolve_compute(self.compute, self.fast, device, self.quantization)
         if self.resolution == NATIVE_RESOLUTION:
             derived["width"] = derived["height"] = weights.native_size
         elif self.resolution == CUSTOM_RESOLUTION:
@@ -280,9 +296,21 @@ class SamplerSettings:
         return self.config.get("caption_channels", 4096)
 
     @property
+    def compiled(self) -> bool:
+        """Whether the blocks run compiled: with ``fast``, and on the 8-bit paths (whose activations'
+        quantization pays only fused into the kernel before it, :mod:`.quant.compute`)."""
+        return self.fast or self.compute != compute_paths.FP16
+
+    @property
     def dense(self) -> bool:
-        """Whether a run holds the quantized weights expanded (on a GPU, without low_vram, when quantized)."""
-        return self.device.type == "cuda" and not self.low_vram and self.scheme.quantized
+        """Whether a run holds the quantized weights expanded (on a GPU, without low_vram, when quantized and
+        computing in fp16)."""
+        return (
+            self.device.type == "cuda"
+            and not self.low_vram
+            and self.scheme.quantized
+            and self.compute == compute_paths.FP16
+        )
 
     def streamed(self, work: Workload) -> bool:
         """Whether a run of ``work`` streams the blocks from CPU memory: with low_vram, when the whole
@@ -302,7 +330,8 @@ class SamplerSettings:
             str(self.device),
             self.low_vram,
             self.streamed(work),
-            self.fast,
+            self.compiled,
+            self.compute,
         )
 
     def device_bytes(self, work: Workload) -> tuple[int, int]:
@@ -319,6 +348,23 @@ class SamplerSettings:
         if self.scheme.if_out_of_memory:
             steps.append(self.scheme.if_out_of_memory)
         return ", ".join([*steps, measure.FREE_OTHERS])
+
+
+def resolve_compute(compute: object, fast: bool, device: torch.device, quantization: object) -> str:
+    """The compute path ``compute`` stands for (``auto``: fp16, or with ``fast`` fp8 where the GPU has fp8
+    tensor cores), checked against ``device`` and the quantization (:func:`.quant.compute.require`)."""
+    if compute == AUTO_COMPUTE:
+        fp8_card = (
+            device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= compute_paths.CAPABILITY[compute_paths.FP8]
+        )
+        quantized = quantization in ("qint8", "qfloat8")
+        compute = compute_paths.FP8 if fast and fp8_card and quantized else compute_paths.FP16
+    if compute not in compute_paths.COMPUTES:
+        offered = ", ".join([AUTO_COMPUTE, *compute_paths.COMPUTES])
+        raise ValueError(f"compute {compute!r} is not offered; choose one of {offered}.")
+    compute_paths.require(compute, device, str(quantization))
+    return compute
 
 
 def check_denoise(denoise: float, has_latent: bool = True) -> None:
@@ -449,8 +495,9 @@ def _load(settings: SamplerSettings, streamed: bool):
         settings.scheme,
         settings.device,
         streamed,
-        settings.fast,
+        settings.compiled,
         quantized=True,
+        compute=settings.compute,
     )
 
 
@@ -512,9 +559,11 @@ def prepare(
     low_vram: bool = False,
     fast: bool = False,
     quantized: bool = False,
+    compute: str = compute_paths.FP16,
 ):
     """A loaded transformer (on the CPU) quantized — unless ``quantized`` says it is already — and made
-    ready to run on ``device`` (see ``_load``); ``low_vram``: its blocks streamed."""
+    ready to run on ``device`` (see ``_load``); ``low_vram``: its blocks streamed; ``fast``: its blocks
+    compiled; ``compute``: how its blocks' quantized layers compute (:mod:`.quant.compute`)."""
     if not quantized:
         model = scheme.after_load(model)
     # No gradients: the same parameter types on every run, whether the weights were moved whole or copied
@@ -522,6 +571,7 @@ def prepare(
     model.eval().requires_grad_(False)
     blocks = model.transformer_blocks
     scheme.plain_modules(model)
+    quanto.set_compute(blocks, compute)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:
@@ -599,7 +649,10 @@ def _step_cache(transformer, threshold: float, steps: int) -> Iterator[None]:
 
 
 COMPILE_BACKEND = "inductor"
-FAST_FIX = "Turn the sampler's fast option off (the same image, its layers run uncompiled)."
+FAST_FIX = (
+    "Turn the sampler's fast option off and set compute to fp16 (the blocks then run uncompiled; fast alone "
+    "gives the same image uncompiled)."
+)
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:
@@ -734,6 +787,8 @@ def _sample(
                 callback=callback,
                 return_dict=False,
             )[0]
-        except torch._dynamo.exc.BackendCompilerFailed as exc:  # fast only: nothing else compiles
+        except (
+            torch._dynamo.exc.BackendCompilerFailed
+        ) as exc:  # fast and 8-bit compute: nothing else compiles
             raise compile_failed(exc) from exc
     return latents.float().cpu()

@@ -32,6 +32,8 @@ import torch
 from comfy.patcher_extension import CallbacksMP
 
 from ..core import estimates, measure
+from ..core import sampler as sampler_stage
+from ..core.quant import compute as compute_paths
 from ..core.quant import quanto
 from ..core.sampler import SamplerSettings, quantized_transformer
 from ..core.single_files import CAPTION_TOKENS
@@ -42,6 +44,7 @@ CALLBACK_KEY = "pixart_lowvram_int8"
 META = torch.device("meta")
 # diffusers' keys of the transformer that ComfyUI's PixArt computes instead of reading.
 COMPUTED = ("pos_embed.pos_embed",)
+BLOCKS = "blocks."  # ComfyUI's PixArt's transformer blocks: the layers an 8-bit compute runs
 
 
 def _load_scaled(layer, state_dict, prefix, missing_keys, unexpected_keys, dtype):
@@ -204,6 +207,11 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
     config = unet_config(settings.config, state)
     del transformer
     state = comfy_state(state, config)
+    # The blocks' 8-bit weights in the form their compute takes, before ComfyUI builds the model and records
+    # its tensors' dtypes (Dynamic VRAM loads each tensor as what it recorded).
+    for key, tensor in state.items():
+        if key.startswith(BLOCKS) and key.endswith(".weight") and key + "_scale" in state:
+            state[key] = compute_paths.weight_for(settings.compute, tensor)
     model_config = comfy.model_detection.model_config_from_unet_config(config, state)
     if model_config is None:
         raise ValueError(f"ComfyUI has no model for the config {config}; it is not a PixArt model")
@@ -219,9 +227,22 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
     model_config.custom_operations = Int8Ops
     model = model_config.get_model(state, "")
     model.load_model_weights(state, "")
+    blocks = model.diffusion_model.blocks
+    quanto.set_compute(blocks, settings.compute)
     patcher = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)(
         model, load_device=load_device, offload_device=offload_device
     )
+    if settings.compiled:
+        # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
+        # sampler compiles them: compiled at the first step, on whichever device the blocks then are.
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+        set_torch_compile_wrapper(
+            patcher,
+            backend=sampler_stage.COMPILE_BACKEND,
+            dynamic=False,
+            keys=[f"diffusion_model.blocks.{index}" for index in range(len(blocks))],
+        )
     run = _Run(settings)
     patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)
@@ -251,7 +272,10 @@ class _Run:
         patched = 0
         for key, layer in self.layers(patcher):
             patches = patcher.patches.get(key)
-            layer.weight_patch = None if not patches else _Patches(patches, key)
+            if getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16:
+                layer.low_rank = () if not patches else _low_rank(patches, key, layer, patcher.load_device)
+            else:
+                layer.weight_patch = None if not patches else _Patches(patches, key)
             patched += bool(patches)
         if patched:
             logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", patched)
@@ -268,6 +292,40 @@ class _Run:
         quanto.drop_dense(patcher.model)
         for _key, layer in self.layers(patcher):
             layer.weight_patch = None
+            if isinstance(layer, quanto.ScaledWeightLinear):
+                layer.low_rank = ()
+
+
+def _low_rank(patches: list, key: str, layer, device: torch.device) -> tuple[compute_paths.LowRank, ...]:
+    """A layer's ComfyUI LoRA patches as low-rank branches beside its 8-bit product: each patch
+    ``(strength, adapter, strength_model, offset, function)`` that ComfyUI's LoRA loaders make from a LoRA
+    file (a ``LoRAAdapter`` holding up, down, alpha), its rows from the offset ComfyUI's key map gives the q,
+    k and v LoRAs of the fused attention layer. Another kind of patch (LoHa, LoKr, DoRA, a scaled base
+    weight) is refused by name: its sum needs the expanded weight, which the 8-bit path never makes."""
+    from comfy.weight_adapter.lora import LoRAAdapter
+
+    branches = []
+    for strength, adapter, strength_model, offset, function in patches:
+        weights = getattr(adapter, "weights", None)
+        if (
+            not isinstance(adapter, LoRAAdapter)
+            or weights[3] is not None  # LoCon's mid
+            or weights[4] is not None  # DoRA's scale
+            or weights[5] is not None  # reshape
+            or strength_model != 1.0
+            or function is not None
+            or (offset is not None and offset[0] != 0)
+        ):
+            kind = getattr(adapter, "name", type(adapter).__name__)
+            raise ValueError(
+                f"{key}: a {kind} patch (or a model strength other than 1) cannot run beside an 8-bit product; "
+                f"the int8 Model Loader's compute {layer.compute!r} takes plain LoRAs. Set compute to fp16."
+            )
+        up, down, alpha = weights[0], weights[1], weights[2]
+        scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
+        rows = None if offset is None else (int(offset[1]), int(offset[2]))
+        branches.append(compute_paths.LowRank(up, down, scale, rows).on(device, layer.weight_scale.dtype))
+    return tuple(branches)
 
 
 class _Patches:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import compute as compute_paths
 from .base import QuantBackend
 
 # The final projection maps back to latent space; the recipe keeps it in full precision.
@@ -126,6 +127,10 @@ class ScaledWeightLinear(torch.nn.Module):
     graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer."""
 
     weight_patch: WeightPatch | None = None
+    # How the layer computes (:mod:`.compute`; :func:`set_compute`), and the LoRAs an 8-bit layer adds as
+    # low-rank branches for a run (its weight is never patched).
+    compute: str = compute_paths.FP16
+    low_rank: tuple[compute_paths.LowRank, ...] = ()
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -141,10 +146,23 @@ class ScaledWeightLinear(torch.nn.Module):
         return _expanded(self, device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight_dense
-        if weight is None or weight.device != input.device:
-            weight = self.expanded(input.device)
-        return torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
+        bias = _on(self.bias, input.device)
+        if self.compute != compute_paths.FP16 and input.numel() > compute_paths.MIN_ROWS * self.in_features:
+            out = compute_paths.linear(
+                self.compute,
+                input,
+                _on(self.weight, input.device),
+                _on(self.weight_scale, input.device),
+                bias,
+            )
+        else:
+            weight = self.weight_dense
+            if weight is None or weight.device != input.device:
+                weight = self.expanded(input.device)
+            out = torch.nn.functional.linear(input.to(weight.dtype), weight, bias)
+        for branch in self.low_rank:
+            out = branch.add_to(out, input)
+        return out
 
 
 class ScaledWeightConv2d(torch.nn.Module):
@@ -225,8 +243,13 @@ def plain_layer(
     raise TypeError(f"a quantized {type(layer).__name__} is not a layer the sampler runs")
 
 
-def dense_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
+def linear_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
     return [layer for layer in module.modules() if isinstance(layer, ScaledWeightLinear)]
+
+
+def dense_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
+    """The quantized linear layers under ``module`` that expand their weights (an 8-bit layer never does)."""
+    return [layer for layer in linear_layers(module) if layer.compute == compute_paths.FP16]
 
 
 def dense_bytes(module: torch.nn.Module) -> int:
@@ -259,8 +282,21 @@ def hold_dense(module: torch.nn.Module, device: torch.device | None = None) -> i
 
 
 def drop_dense(module: torch.nn.Module) -> None:
-    for layer in dense_layers(module):
+    for layer in linear_layers(module):
         layer.weight_dense = None
+
+
+def set_compute(module: torch.nn.Module, compute: str) -> int:
+    """Every quantized linear layer under ``module`` computes by ``compute`` (:mod:`.compute`), its stored
+    values made what that path takes (e4m3 for fp8: the layer cannot go back to int8 values); returns how
+    many. ``fp16`` leaves the layers as they are."""
+    if compute == compute_paths.FP16:
+        return 0
+    layers = linear_layers(module)
+    for layer in layers:
+        layer.weight = compute_paths.weight_for(compute, layer.weight)
+        layer.compute = compute
+    return len(layers)
 
 
 def plain_layers(module: torch.nn.Module) -> int:

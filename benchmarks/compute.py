@@ -1,0 +1,356 @@
+"""The sampler's ``compute`` paths against fp16, on the GPU: the block's matrix products, the sampler stage
+alone, and each path's fidelity prompt by prompt.
+
+    python benchmarks/compute.py --model-dir pixart-full --out benchmarks/results
+
+(the full-size random model: ``python -m pixart_lowvram demo --preset full --model-dir pixart-full --device
+cuda --steps 2``). Writes compute.json and compute.md to --out. Three parts, in one process:
+
+- ``kernels``: each linear layer of a PixArt-Σ block at 1024² with guidance (M = 8192 rows: two images of
+  4096 tokens; the cross-attention's k and v take the caption's 2 × 300), median of 50 after warm-up:
+  fp16 ``F.linear``; the pack's int8 and fp8 layers eager (the activation's quantization as separate ops);
+  then each layer compiled (inductor) together with the op before it as it runs in the block (LayerNorm and
+  the adaLN modulation before q, k, v and ff1; tanh-GELU before ff2; nothing before the attention's output
+  projection), the fp16 layer compiled the same way beside it; and comfy-kitchen's ``int8_linear``
+  (tensor-wise weight scale, per-token activations) where it is installed.
+- ``sampler``: the sampler stage alone, 1024², 20 steps, cfg 4.5, dpmsolver++ (the settings below), the
+  transformer kept loaded so that only the steps and the stage's own work count; median of the later runs
+  after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
+  fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
+  int8 and fp8. With each its GPU peak allocated during a run (the kept weights included).
+- ``fidelity``: five prompts (benchmarks/warm.py's, each with its seed) encoded once by the pack's T5 stage;
+  each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the decoded images'
+  PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit arithmetic moves
+  this network, not how a trained model's pictures change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+GIB = 2**30
+SETTINGS = {"width": 1024, "height": 1024, "steps": 20, "cfg": 4.5, "scheduler": "dpmsolver++"}
+COMPUTE_ROWS = {
+    "pack compute fp16 (defaults)": {"compute": "fp16"},
+    "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
+    "pack compute int8": {"compute": "int8"},
+    "pack compute fp8": {"compute": "fp8"},
+}
+FIDELITY_REFERENCE = "pack compute fp16 (defaults)"
+# PixArt-Σ XL's block at 1024² with guidance: (name, in, out, rows, the op before it).
+HIDDEN, FF, TOKENS, CAPTION = 1152, 4608, 2 * 4096, 2 * 300
+SHAPES = [
+    ("attn1 q/k/v", HIDDEN, HIDDEN, TOKENS, "norm"),
+    ("attn1 out", HIDDEN, HIDDEN, TOKENS, None),
+    ("attn2 q", HIDDEN, HIDDEN, TOKENS, "norm"),
+    ("attn2 k/v (caption)", HIDDEN, HIDDEN, CAPTION, None),
+    ("ff1", HIDDEN, FF, TOKENS, "norm"),
+    ("ff2", FF, HIDDEN, TOKENS, "gelu"),
+]
+RUNS = 4  # sampler runs per row: the first loads and compiles, the others are measured
+
+
+def median_ms(fn, repeat: int = 50, warmup: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class Before(torch.nn.Module):
+    """A layer with the op before it in the block: what inductor fuses the activation's quantization into."""
+
+    def __init__(self, layer: torch.nn.Module, op: str | None, width: int):
+        super().__init__()
+        self.layer, self.op = layer, op
+        self.shift = torch.nn.Parameter(torch.randn(width, device="cuda", dtype=torch.float16) * 0.1)
+        self.scale = torch.nn.Parameter(torch.randn(width, device="cuda", dtype=torch.float16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op == "norm":
+            x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + self.scale) + self.shift
+        elif self.op == "gelu":
+            x = F.gelu(x, approximate="tanh")
+        return self.layer(x)
+
+
+def kernels() -> list[dict]:
+    from pixart_lowvram.core.quant import quanto
+
+    try:
+        import comfy_kitchen
+    except ImportError:
+        comfy_kitchen = None
+    rows = []
+    torch.manual_seed(0)
+    for name, width, out, m, op in SHAPES:
+        weight = torch.randn(out, width, device="cuda") * 0.02
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        data = (weight / scale).round().clamp(-127, 127).to(torch.int8)
+        x = torch.randn(m, width, device="cuda", dtype=torch.float16)
+        bias = torch.randn(out, device="cuda", dtype=torch.float16) * 0.1
+        dense = (data.half() * scale.half()).contiguous()
+        row = {"layer": name, "in": width, "out": out, "rows": m, "before": op or "-"}
+        row["fp16 F.linear"] = median_ms(lambda x=x, dense=dense, bias=bias: F.linear(x, dense, bias))
+        layers = {}
+        for compute in ("fp16", "int8", "fp8"):
+            layer = quanto.ScaledWeightLinear(data.clone(), scale.half(), bias)
+            quanto.set_compute(layer, compute)
+            if compute == "fp16":
+                layer.weight_dense = dense
+            layers[compute] = layer
+            if compute != "fp16":
+                row[f"{compute} eager"] = median_ms(lambda x=x, layer=layer: layer(x))
+                reference = F.linear(x.float(), dense.float(), bias.float())
+                got = layer(x).float()
+                row[f"{compute} rel. error"] = float((got - reference).norm() / reference.norm())
+        for compute, layer in layers.items():
+            fused = torch.compile(Before(layer, op, width), backend="inductor", dynamic=False)
+            with torch.no_grad():
+                row[f"{compute} compiled with the op before"] = median_ms(lambda x=x, fused=fused: fused(x))
+        if comfy_kitchen is not None:
+            tensor_scale = weight.abs().amax() / 127
+            tensorwise = (weight / tensor_scale).round().clamp(-127, 127).to(torch.int8)
+            try:
+                row["comfy-kitchen int8_linear"] = median_ms(
+                    lambda x=x, w=tensorwise, s=tensor_scale.float(), bias=bias: comfy_kitchen.int8_linear(
+                        x, w, s, bias, out_dtype=torch.float16, input_act="gelu_tanh" if op == "gelu" else None
+                    )
+                )
+            except Exception as exc:  # a kitchen without CUDA kernels for this card
+                row["comfy-kitchen int8_linear"] = f"{type(exc).__name__}: {exc}"[:120]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def encode_prompts(source, quant_cache: Path):
+    from pixart_lowvram.core import text_encoder
+    from warm import PROMPTS
+
+    settings = text_encoder.EncoderSettings(source, device="cuda", quant_cache=quant_cache)
+    return [(text_encoder.encode(settings, text, ""), seed) for text, seed in PROMPTS]
+
+
+def timed(fn) -> tuple[float, object, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, result, torch.cuda.max_memory_allocated()
+
+
+def diffusers_fp16(model_dir: Path, prompts) -> dict:
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    transformer = PixArtTransformer2DModel.from_pretrained(model_dir / "transformer", dtype=torch.float16)
+    transformer.to("cuda").eval().requires_grad_(False)
+    scheduler = DPMSolverMultistepScheduler.from_pretrained(model_dir / "scheduler")
+    pipe = PixArtSigmaPipeline(
+        tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=scheduler
+    )
+    pipe.set_progress_bar_config(disable=True)
+    embeds, seed = prompts[0]
+
+    def run():
+        with torch.no_grad():
+            return pipe(
+                negative_prompt=None,
+                prompt_embeds=embeds.prompt_embeds.to("cuda", torch.float16),
+                prompt_attention_mask=embeds.prompt_mask.to("cuda"),
+                negative_prompt_embeds=embeds.negative_embeds.to("cuda", torch.float16),
+                negative_prompt_attention_mask=embeds.negative_mask.to("cuda"),
+                width=SETTINGS["width"],
+                height=SETTINGS["height"],
+                num_inference_steps=SETTINGS["steps"],
+                guidance_scale=SETTINGS["cfg"],
+                generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="latent",
+                use_resolution_binning=False,
+                return_dict=False,
+            )[0]
+
+    runs = [timed(run) for _ in range(RUNS)]
+    del pipe, transformer
+    torch.cuda.empty_cache()
+    return {
+        "seconds": [round(s, 4) for s, _, _ in runs],
+        "later": statistics.median(s for s, _, _ in runs[1:]),
+        "peak_allocated": max(p for _, _, p in runs[1:]),
+    }
+
+
+def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
+    from pixart_lowvram.core import sampler, vae
+    from pixart_lowvram.core.pool import cache
+
+    def settings(seed):
+        return sampler.SamplerSettings(
+            source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
+        )
+
+    embeds, seed = prompts[0]
+    runs = [timed(lambda: sampler.sample(settings(seed), embeds)) for _ in range(RUNS)]
+    outputs = []
+    for embeds, seed in prompts:
+        latents = sampler.sample(settings(seed), embeds)
+        outputs.append((latents, vae.decode(decoder, latents)))
+    cache.clear()
+    torch.cuda.empty_cache()
+    return {
+        "options": options,
+        "seconds": [round(s, 4) for s, _, _ in runs],
+        "first": runs[0][0],
+        "later": statistics.median(s for s, _, _ in runs[1:]),
+        "peak_allocated": max(p for _, _, p in runs[1:]),
+        "outputs": outputs,
+    }
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a * 255).round().double() - (b * 255).round().double()).pow(2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+def fidelity(ours, reference) -> dict:
+    cosines = [
+        float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+        for (a, _), (b, _) in zip(ours, reference, strict=True)
+    ]
+    psnrs = [psnr(x, y) for (_, x), (_, y) in zip(ours, reference, strict=True)]
+    return {"latent_cosine": cosines, "image_psnr_db": psnrs}
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.3f}" if value < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown(meta: dict, kernel_rows: list[dict], sampler_rows: dict) -> str:
+    lines = [
+        "# compute: the 8-bit paths against fp16",
+        "",
+        f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}; `{meta['command']}`.",
+        "",
+        "## The block's linear layers at 1024² with guidance (ms, median of 50)",
+        "",
+    ]
+    if kernel_rows:
+        keys = [k for k in kernel_rows[0] if k not in ("in", "out")]
+        extra = [k for row in kernel_rows for k in row if k not in keys and k not in ("in", "out")]
+        keys += list(dict.fromkeys(extra))
+        lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+        lines += ["| " + " | ".join(fmt(row.get(k, "–")) for k in keys) + " |" for row in kernel_rows]
+    anchor = sampler_rows.get("diffusers fp16 transformer", {}).get("later")
+    lines += [
+        "",
+        f"## The sampler stage alone: {SETTINGS['width']}², {SETTINGS['steps']} steps, cfg {SETTINGS['cfg']}, "
+        f"{SETTINGS['scheduler']}, transformer kept loaded",
+        "",
+        "| row | options | first run | later (median) | × fp16 model | GPU peak allocated | latent cosine min / mean "
+        "| image PSNR min / mean |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in sampler_rows.items():
+        if "error" in row:
+            lines.append(f"| {name} | – | failed: {row['error']} | | | | | |")
+            continue
+        ratio = f"{row['later'] / anchor:.2f}" if anchor else "–"
+        fid = row.get("fidelity")
+        cos = f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}" if fid else "–"
+        ps = (
+            f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB" if fid else "–"
+        )
+        first = f"{row['first']:.2f} s" if "first" in row else "–"
+        lines.append(
+            f"| {name} | {json.dumps(row.get('options', {}))} | {first} | {row['later']:.3f} s | {ratio} | "
+            f"{row['peak_allocated'] / GIB:.2f} GiB | {cos} | {ps} |"
+        )
+    lines += [
+        "",
+        f"Fidelity: five prompts with their seeds, each path's latents and images against {FIDELITY_REFERENCE}'s. "
+        "Random weights, not trained ones.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("compute"))
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--only", action="append", default=[], help="a sampler row's name (repeatable)")
+    args = parser.parse_args()
+    from pixart_lowvram.core import models, vae
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/compute.py", *sys.argv[1:]]),
+        "settings": SETTINGS,
+    }
+    results: dict = {"meta": meta, "kernels": [], "sampler": {}}
+
+    def write() -> str:
+        (args.out / "compute.json").write_text(json.dumps(results, indent=1, default=str))
+        text = markdown(meta, results["kernels"], results["sampler"])
+        (args.out / "compute.md").write_text(text)
+        return text
+
+    if not args.skip_kernels:
+        results["kernels"] = kernels()
+        write()
+    source = models.resolve_model(str(args.model_dir))
+    quant_cache = args.out / ".quant_cache"
+    prompts = encode_prompts(source, quant_cache)
+    decoder = vae.DecoderSettings(source, device="cuda")
+    results["sampler"]["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)
+    write()
+    outputs = {}
+    for name, options in COMPUTE_ROWS.items():
+        if args.only and name not in args.only and name != FIDELITY_REFERENCE:
+            continue
+        try:
+            row = pack_row(source, prompts, options, quant_cache, decoder)
+        except Exception as exc:
+            results["sampler"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"{name}: {exc!r}", file=sys.stderr)
+            continue
+        outputs[name] = row.pop("outputs")
+        if name != FIDELITY_REFERENCE and FIDELITY_REFERENCE in outputs:
+            row["fidelity"] = fidelity(outputs[name], outputs[FIDELITY_REFERENCE])
+        results["sampler"][name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k != "options"}, default=str), file=sys.stderr)
+        write()
+    print(write())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

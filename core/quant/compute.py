@@ -1,0 +1,160 @@
+"""How the transformer's quantized layers compute: the weights expanded to fp16 (``fp16``), or 8-bit matrix
+products on 8-bit weights and activations (``int8``, ``fp8``).
+
+``fp16``: each layer expands its int8 (or float8) weight to the compute dtype and runs one fp16 matrix
+product (:class:`.quanto.ScaledWeightLinear`). It stores 8 bits and computes 16.
+
+``int8`` (W8A8): the stored int8 weight with its per-row scale, the activation quantized per token
+(symmetric, absmax / 127) as it enters the layer, one int8 × int8 → int32 matrix product
+(``torch._int_mm``: int8 tensor cores on NVIDIA Turing and newer), then both scales applied to the int32
+result. ``fp8``: the same with float8 e4m3 weight and activation (absmax / 448 per token) and
+``torch._scaled_mm``, which applies the per-token and per-row scales in its epilogue (fp8 tensor cores:
+Ada, Hopper and newer). An int8 weight becomes e4m3 once, when the layer is set to compute in fp8: its
+integers are exact up to 16 in e4m3 and within 1/16 of their value above, with the same per-row scale.
+
+The activation's quantization is an absmax over each row and a division, which pays only when it runs
+inside the kernel that made the activation (the norm and modulation before the attention's and
+feed-forward's inputs, the GELU before the second feed-forward layer): run by themselves they cost more
+than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the 8-bit paths run
+their blocks compiled (``torch.compile``), where inductor fuses the quantization into the kernel before it;
+their eager form (the same numbers, unfused) is what the CPU tier checks.
+
+Only the layers of the transformer's blocks compute in 8 bits: their rows are the image's tokens (4096 at
+1024²) or the caption's. The embeddings, the time conditioning, the caption projection and ``proj_out``
+keep the fp16 path (a handful of rows a step, or the layer the recipe keeps in full precision). A call
+with fewer than :data:`MIN_ROWS` rows (ComfyUI's unpadded one-token negative caption) also takes the fp16
+path: the int8 kernel refuses 16 rows or fewer, and a product that small has nothing to gain.
+
+A LoRA on an 8-bit layer is a low-rank branch beside the 8-bit product, ``scale × (x @ downᵀ) @ upᵀ`` in the
+compute dtype (:class:`LowRank`): the 8-bit weights are never requantized and no fp16 copy is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP16, INT8, FP8 = "fp16", "int8", "fp8"
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+INT8_MAX = 127.0
+# At or below this many rows a call takes the fp16 path (``torch._int_mm`` needs more than 16 on CUDA).
+MIN_ROWS = 32
+# The smallest CUDA compute capability with the tensor cores each 8-bit path needs.
+CAPABILITY = {INT8: (7, 5), FP8: (8, 9)}
+CARDS = {INT8: "an NVIDIA GPU of compute capability 7.5 or newer (RTX 20 and later)", FP8: "an NVIDIA GPU "
+         "of compute capability 8.9 or newer (RTX 40, L4, L40, H100, H200)"}  # fmt: skip
+
+DESCRIPTIONS = {
+    FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
+    INT8: "int8 weights and per-token int8 activations, int8 tensor-core products (RTX 20/30/40, A100); "
+    "compiles the blocks on first use",
+    FP8: "float8 e4m3 weights and per-token activations, fp8 tensor-core products (RTX 40, L4, H100); "
+    "compiles the blocks on first use",
+}
+COMPUTES = tuple(DESCRIPTIONS)
+
+
+def tooltip() -> str:
+    return " ".join(f"{name}: {text}." for name, text in DESCRIPTIONS.items())
+
+
+def require(compute: str, device: torch.device, scheme: str) -> None:
+    """Raise one clear line unless ``compute`` runs on ``device`` with weights of quantization ``scheme``."""
+    if compute not in COMPUTES:
+        raise ValueError(f"compute {compute!r} is not offered; choose one of {', '.join(COMPUTES)}.")
+    if compute == FP16:
+        return
+    if scheme == "none":
+        raise ValueError(
+            f"compute {compute!r} runs on quantized weights, and quantization is 'none'; set quantization "
+            f"to qint8, or compute to fp16."
+        )
+    if compute == INT8 and scheme != "qint8":
+        raise ValueError(
+            f"compute 'int8' runs on qint8 weights, and quantization is {scheme!r}; set quantization to "
+            f"qint8, or compute to fp8 or fp16."
+        )
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < CAPABILITY[compute]:
+            name = torch.cuda.get_device_name(device)
+            other = INT8 if compute == FP8 and capability >= CAPABILITY[INT8] else FP16
+            raise RuntimeError(
+                f"compute {compute!r} needs {CARDS[compute]}; {name} is {capability[0]}.{capability[1]}. Set "
+                f"compute to {other}."
+            )
+    elif device.type != "cpu":
+        raise RuntimeError(
+            f"compute {compute!r} runs on NVIDIA GPUs and the CPU, not on {device.type!r}; set compute to fp16."
+        )
+
+
+def weight_for(compute: str, data: torch.Tensor) -> torch.Tensor:
+    """A quantized layer's stored weight values as ``compute`` takes them: e4m3 for fp8 (from int8 or
+    float8 values, the per-row scale unchanged), as they are otherwise."""
+    if compute == FP8 and data.dtype != E4M3:
+        return data.to(torch.float16).to(E4M3)
+    return data
+
+
+def linear(
+    compute: str,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``input @ (weight × weight_scale)ᵀ + bias`` with ``input`` quantized per token to ``compute``'s 8 bits;
+    ``weight`` holds the layer's values as :func:`weight_for` gave them, ``weight_scale`` ``[out, 1]``. The
+    result in ``input``'s dtype."""
+    rows = input.reshape(-1, input.shape[-1])
+    absmax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale_b = weight_scale.reshape(1, -1).float()
+    if compute == INT8:
+        x_scale = absmax / INT8_MAX
+        quantized = (rows.float() / x_scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        out = torch._int_mm(quantized, weight.t()).float() * (x_scale * scale_b)
+    else:
+        x_scale = absmax / E4M3_MAX
+        quantized = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        # Row-wise scales give bf16 on every torch that has them; one rounding more than fp16's output.
+        out = torch._scaled_mm(
+            quantized, weight.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=torch.bfloat16
+        )
+    out = out.to(input.dtype)
+    if bias is not None:
+        out = out + bias.to(input.dtype)
+    return out.reshape(*input.shape[:-1], out.shape[-1])
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """A LoRA on an 8-bit layer: ``scale × (x @ downᵀ) @ upᵀ`` added to the output's rows
+    ``rows[0]:rows[0] + rows[1]`` (all of them when None: ComfyUI's fused q, k, v layer takes the q, k and v
+    LoRAs at their offsets)."""
+
+    up: torch.Tensor  # [out rows, rank]
+    down: torch.Tensor  # [rank, in]
+    scale: float
+    rows: tuple[int, int] | None = None
+
+    def on(self, device: torch.device, dtype: torch.dtype) -> LowRank:
+        return LowRank(
+            self.up.to(device, dtype).flatten(1),
+            self.down.to(device, dtype).flatten(1),
+            self.scale,
+            self.rows,
+        )
+
+    def add_to(self, out: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        # A branch made where the layer was (low-VRAM streaming computes on the GPU from CPU memory).
+        up, down = (t if t.device == input.device else t.to(input.device) for t in (self.up, self.down))
+        branch = (input.to(down.dtype) @ down.t()) @ (self.scale * up).t()
+        branch = branch.to(out.dtype)
+        if self.rows is None:
+            return out + branch
+        start, size = self.rows
+        pad = (start, out.shape[-1] - start - size)
+        return out + torch.nn.functional.pad(branch, pad)

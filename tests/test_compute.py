@@ -1,0 +1,235 @@
+"""The transformer's 8-bit compute paths (core.quant.compute): their arithmetic against an fp64 reference of
+the same stored weights, within bounds worked out from the formats; the sampler's ``compute`` input, its
+choices and its errors; LoRAs as low-rank branches beside the 8-bit product; and the whole tiny model's
+latents against the fp16 path's.
+
+The bounds. A per-token symmetric int8 activation rounds each value to a step of absmax / 127: a uniform
+error of rms step / √12. For Gaussian rows of 1152 values absmax is about 3.3 σ, so the relative rms error of
+the activation, and of a product with it, is about 3.3 / 127 / √12 ≈ 0.75 % (measured 0.79 %); the bound is
+twice that. float8 e4m3 keeps 3 mantissa bits: a relative rounding of at most 2^-4 of a value, rms about
+2^-4 / √3 · ½ ≈ 1.8 % for each operand (weight and activation), about 2.6 % together in quadrature, and the
+int8 weight's own rounding into e4m3 adds to it (measured 3.8 %); the bound is 6 %. A path that dropped a
+scale, quantized without one, or multiplied by the wrong one is off by far more than that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pixart_lowvram.cli.random_model import save_random_lora
+from pixart_lowvram.core import lora, sampler
+from pixart_lowvram.core.quant import compute, quanto
+
+FP32 = {"device": "cpu", "precision": torch.float32}
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 5}
+BOUND = {"int8": 0.015, "fp8": 0.06}
+
+
+def _quantized_weight(out: int, width: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, width, generator=generator) * 0.02
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    return (weight / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected).norm() / expected.norm())
+
+
+@pytest.fixture(autouse=True)
+def _eager(monkeypatch):
+    """Blocks 'compiled' as they are: the 8-bit paths compile their blocks, and these tests are about the
+    arithmetic (the GPU tier compiles them with inductor)."""
+    monkeypatch.setattr(sampler, "compile_blocks", lambda blocks: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["int8", "fp8"])
+def test_an_8bit_linear_is_within_its_bound_of_the_stored_weights_product(path, dtype):
+    data, scale = _quantized_weight(512, 1152)
+    bias = torch.randn(512) * 0.1
+    x = torch.randn(2, 96, 1152, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ (data.double() * scale.double()).t() + bias.double()
+    got = compute.linear(path, x.to(dtype), compute.weight_for(path, data), scale.to(dtype), bias.to(dtype))
+    assert got.dtype == dtype and got.shape == expected.shape
+    error = _relative(got, expected)
+    assert error < BOUND[path], f"{path} {dtype}: relative error {error:.4f}"
+    # Not a product that ignores the activation's scale: a quantization without one is far off.
+    assert error > 1e-4
+
+
+def test_the_bound_catches_a_missing_scale():
+    data, scale = _quantized_weight(256, 1152)
+    x = torch.randn(64, 1152)
+    expected = x.double() @ (data.double() * scale.double()).t()
+    wrong = compute.linear("int8", x, data, torch.ones_like(scale), None)
+    assert _relative(wrong, expected) > 1
+
+
+def test_an_int8_weight_in_e4m3_keeps_small_integers_and_its_scale():
+    values = torch.arange(-127, 128, dtype=torch.int8)
+    e4m3 = compute.weight_for("fp8", values)
+    assert e4m3.dtype == torch.float8_e4m3fn
+    back = e4m3.float()
+    small = values.abs() <= 16
+    assert torch.equal(back[small], values[small].float())
+    assert float(((back - values.float()).abs() / values.float().abs().clamp(min=1)).max()) <= 1 / 16
+    assert compute.weight_for("int8", values) is values
+
+
+@pytest.mark.parametrize("path", ["int8", "fp8"])
+def test_a_layer_computes_by_its_path_and_few_rows_take_the_fp16_one(path):
+    data, scale = _quantized_weight(256, 1152)
+    layer = quanto.ScaledWeightLinear(data.clone(), scale, None)
+    plain = quanto.ScaledWeightLinear(data.clone(), scale, None)
+    assert quanto.set_compute(layer, path) == 1
+    assert layer.weight.dtype == (torch.int8 if path == "int8" else torch.float8_e4m3fn)
+    many = torch.randn(compute.MIN_ROWS + 1, 1152)
+    torch.testing.assert_close(
+        layer(many), compute.linear(path, many, layer.weight, scale, None), rtol=0, atol=0
+    )
+    few = torch.randn(compute.MIN_ROWS, 1152)
+    if path == "int8":  # its values are the stored ones: the fp16 path gives the plain layer's bits
+        torch.testing.assert_close(layer(few), plain(few), rtol=0, atol=0)
+    assert quanto.dense_layers(layer) == []  # an 8-bit layer never holds its weight expanded
+
+
+def test_a_low_rank_branch_adds_its_lora_to_its_rows():
+    data, scale = _quantized_weight(96, 128)
+    layer = quanto.ScaledWeightLinear(data, scale, None)
+    quanto.set_compute(layer, "int8")
+    x = torch.randn(compute.MIN_ROWS * 2, 128, dtype=torch.float64).float()
+    up, down = torch.randn(32, 4), torch.randn(4, 128)
+    base = layer(x)
+    layer.low_rank = (compute.LowRank(up, down, 0.5, rows=(32, 32)),)
+    got = layer(x)
+    delta = 0.5 * x @ down.t() @ up.t()
+    torch.testing.assert_close(got[:, 32:64], base[:, 32:64] + delta, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, :32], base[:, :32], rtol=0, atol=0)
+    torch.testing.assert_close(got[:, 64:], base[:, 64:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"compute": "int4"}, r"compute 'int4' is not offered; choose one of auto, fp16, int8, fp8"),
+        (
+            {"compute": "int8", "quantization": "qfloat8"},
+            r"compute 'int8' runs on qint8 weights, and quantization is 'qfloat8'; set quantization to qint8",
+        ),
+        (
+            {"compute": "fp8", "quantization": "none"},
+            r"compute 'fp8' runs on quantized weights, and quantization is 'none'; set quantization to qint8",
+        ),
+    ],
+)
+def test_a_bad_compute_is_refused_before_anything_loads(tiny, load_spy, options, message):
+    with pytest.raises(ValueError, match=message):
+        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, **options)
+    assert load_spy.count("transformer") == 0
+
+
+def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    with pytest.raises(RuntimeError) as error:
+        compute.require("fp8", torch.device("cuda"), "qint8")
+    assert str(error.value) == (
+        "compute 'fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (RTX 40, L4, L40, H100, H200); "
+        "NVIDIA GeForce RTX 3090 is 8.6. Set compute to int8."
+    )
+    compute.require("int8", torch.device("cuda"), "qint8")  # Ampere has int8 tensor cores
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    with pytest.raises(RuntimeError, match=r"is 7\.0\. Set compute to fp16\.$"):
+        compute.require("fp8", torch.device("cuda"), "qint8")
+
+
+@pytest.mark.parametrize(
+    ("capability", "fast", "quantization", "expected"),
+    [
+        ((9, 0), True, "qint8", "fp8"),
+        ((8, 9), True, "qfloat8", "fp8"),
+        ((9, 0), False, "qint8", "fp16"),  # the default never compiles
+        ((8, 6), True, "qint8", "fp16"),
+        ((9, 0), True, "none", "fp16"),
+    ],
+)
+def test_auto_is_fp8_only_with_fast_on_an_fp8_card(monkeypatch, capability, fast, quantization, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    got = sampler.resolve_compute("auto", fast, torch.device("cuda"), quantization)
+    assert got == expected
+    assert sampler.resolve_compute("auto", True, torch.device("cpu"), "qint8") == "fp16"
+
+
+def test_the_settings_hold_the_resolved_path_in_their_cache_key(tiny):
+    fp16 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
+    int8 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, compute="int8")
+    assert (fp16.compute, int8.compute) == ("fp16", "int8")
+    assert int8.compiled and not fp16.compiled
+    work = sampler.Workload(1, 64 * 64)
+    assert fp16.cache_key(work) != int8.cache_key(work)
+
+
+@pytest.fixture(scope="module")
+def fp16_latents(tiny_folder, tiny):
+    from pixart_lowvram.core import text_encoder
+
+    embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), "a red cat on a mat", "")
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
+    return embeds, sampler.sample(settings, embeds)
+
+
+# The tiny model's latents after 2 steps, 8-bit against fp16 compute (fp32 on the CPU): measured int8
+# 0.9999+, fp8 0.998+.
+LATENT_COSINE = {"int8": 0.999, "fp8": 0.99}
+
+
+@pytest.mark.parametrize("path", ["int8", "fp8"])
+def test_the_sampler_on_an_8bit_path_is_close_to_fp16_and_repeats_its_bits(tiny, fp16_latents, path):
+    embeds, reference = fp16_latents
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
+    first = sampler.sample(settings, embeds)
+    again = sampler.sample(settings, embeds)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    cosine = F.cosine_similarity(first.flatten(), reference.flatten(), dim=0).item()
+    assert LATENT_COSINE[path] <= cosine < 1, cosine
+
+
+@pytest.mark.parametrize("path", ["int8", "fp8"])
+def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it_out(
+    tiny_folder, tiny, fp16_latents, tmp_path, path
+):
+    embeds, _ = fp16_latents
+    path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=3)
+    base = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
+    without = sampler.sample(base, embeds)
+    off = sampler.sample(dataclasses.replace(base, loras=(lora.LoraSpec(path_file, 0.0),)), embeds)
+    torch.testing.assert_close(off, without, rtol=0, atol=0)
+    on = sampler.sample(dataclasses.replace(base, loras=(lora.LoraSpec(path_file, 1.0),)), embeds)
+    assert not torch.equal(on, without)
+    # The same LoRA on the fp16 path moves the latents the same way.
+    fp16 = dataclasses.replace(base, compute="fp16")
+    fp16_on = sampler.sample(dataclasses.replace(fp16, loras=(lora.LoraSpec(path_file, 1.0),)), embeds)
+    fp16_off = sampler.sample(fp16, embeds)
+    moved, fp16_moved = (on - without).flatten(), (fp16_on - fp16_off).flatten()
+    assert F.cosine_similarity(moved, fp16_moved, dim=0).item() > 0.9
+
+
+def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp_path):
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute="fp8")
+    model = sampler.prepare(
+        sampler.quantized_transformer(settings), settings.scheme, torch.device("cpu"), compute="fp8"
+    )
+    layer = model.get_submodule("transformer_blocks.0.attn1.to_q")
+    stored = layer.weight.clone()
+    path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=4)
+    with lora.applied(model, [lora.LoraSpec(path_file, 1.0)]):
+        assert layer.weight_patch is None and len(layer.low_rank) == 1
+        assert layer.weight_dense is None
+    assert layer.low_rank == ()
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
