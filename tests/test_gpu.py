@@ -475,3 +475,36 @@ def test_step_cache_on_cuda_bounded_and_nothing_left(tiny, reference, cuda, capl
     fast = sampler.SamplerSettings(tiny, **options, step_cache=0.5, fast=True)
     _settled(lambda: sampler.sample(fast, reference.embeds))
     assert torch.equal(sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds), uncached)
+
+
+@pytest.mark.parametrize("compute", ["int8", "fp8"])
+def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
+    tiny, tiny_folder, reference, cuda, tmp_path, compute
+):
+    """Each 8-bit compute path compiled with inductor on the GPU: latents close to the fp16 path's, the same
+    bits twice, a LoRA beside the 8-bit products changes them and strength 0 gives them back, and after the
+    runs and Free VRAM's call the GPU holds what it held before."""
+    import dataclasses
+
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core import lora
+    from pixart_lowvram.core.quant import compute as compute_paths
+    from pixart_lowvram.core.pool import free_all
+
+    if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
+        pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")
+    # 128 px: 128 rows a call with guidance, above the rows at which a call takes the fp16 path.
+    options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
+    fp16 = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
+    before = torch.cuda.memory_allocated(cuda)
+    settings = sampler.SamplerSettings(tiny, **options, compute=compute)
+    first = sampler.sample(settings, reference.embeds)
+    assert torch.equal(first, sampler.sample(settings, reference.embeds))
+    assert 0.99 < _cosine(first, fp16) < 1
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
+    on = sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path),)), reference.embeds)
+    off = sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path, 0.0),)), reference.embeds)
+    assert _cosine(on, first) < 0.9999
+    assert torch.equal(off, first)
+    free_all()
+    assert torch.cuda.memory_allocated(cuda) <= before
