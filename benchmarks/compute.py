@@ -27,6 +27,7 @@ cuda --steps 2``). Writes compute.json and compute.md to --out. Three parts, in 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -129,6 +130,7 @@ def kernels() -> list[dict]:
         for compute, layer in layers.items():
             if name not in COMPILED:
                 continue
+            torch._dynamo.reset()  # each its own graphs, not a recompile of the last module's (limit 8)
             fused = torch.compile(Before(layer, op, width), backend="inductor", dynamic=False)
             with torch.no_grad():
                 row[f"{compute} compiled with the op before"] = median_ms(lambda x=x, fused=fused: fused(x))
@@ -137,8 +139,14 @@ def kernels() -> list[dict]:
             tensorwise = (weight / tensor_scale).round().clamp(-127, 127).to(torch.int8)
             try:
                 row["comfy-kitchen int8_linear"] = median_ms(
-                    lambda x=x, w=tensorwise, s=tensor_scale.float(), bias=bias: comfy_kitchen.int8_linear(
-                        x, w, s, bias, out_dtype=torch.float16, input_act="gelu_tanh" if op == "gelu" else None
+                    functools.partial(
+                        comfy_kitchen.int8_linear,
+                        x,
+                        tensorwise,
+                        tensor_scale.float(),
+                        bias,
+                        out_dtype=torch.float16,
+                        input_act="gelu_tanh" if op == "gelu" else None,
                     )
                 )
             except Exception as exc:  # a kitchen without CUDA kernels for this card
@@ -149,8 +157,9 @@ def kernels() -> list[dict]:
 
 
 def encode_prompts(source, quant_cache: Path):
-    from pixart_lowvram.core import text_encoder
     from warm import PROMPTS
+
+    from pixart_lowvram.core import text_encoder
 
     settings = text_encoder.EncoderSettings(source, device="cuda", quant_cache=quant_cache)
     return [(text_encoder.encode(settings, text, ""), seed) for text, seed in PROMPTS]
@@ -196,8 +205,6 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
             )[0]
 
     runs = [timed(run) for _ in range(RUNS)]
-    del pipe, transformer
-    torch.cuda.empty_cache()
     return {
         "seconds": [round(s, 4) for s, _, _ in runs],
         "later": statistics.median(s for s, _, _ in runs[1:]),
@@ -285,7 +292,9 @@ def markdown(meta: dict, kernel_rows: list[dict], sampler_rows: dict) -> str:
         fid = row.get("fidelity")
         cos = f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}" if fid else "–"
         ps = (
-            f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB" if fid else "–"
+            f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB"
+            if fid
+            else "–"
         )
         first = f"{row['first']:.2f} s" if "first" in row else "–"
         lines.append(
@@ -302,7 +311,9 @@ def markdown(meta: dict, kernel_rows: list[dict], sampler_rows: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("compute"))
     parser.add_argument("--skip-kernels", action="store_true")
@@ -335,6 +346,7 @@ def main() -> int:
     prompts = encode_prompts(source, quant_cache)
     decoder = vae.DecoderSettings(source, device="cuda")
     results["sampler"]["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)
+    torch.cuda.empty_cache()  # its transformer went with its frame
     write()
     outputs = {}
     for name, options in COMPUTE_ROWS.items():
@@ -350,7 +362,9 @@ def main() -> int:
         if name != FIDELITY_REFERENCE and FIDELITY_REFERENCE in outputs:
             row["fidelity"] = fidelity(outputs[name], outputs[FIDELITY_REFERENCE])
         results["sampler"][name] = row
-        print(name, json.dumps({k: v for k, v in row.items() if k != "options"}, default=str), file=sys.stderr)
+        print(
+            name, json.dumps({k: v for k, v in row.items() if k != "options"}, default=str), file=sys.stderr
+        )
         write()
     print(write())
     return 0

@@ -112,13 +112,6 @@ CONFIGS: dict[str, dict] = {
         }
         for compute in ("int8", "fp8")
     },
-    "pack fast, compute auto (fp8 on fp8 cards)": {
-        "kind": "pack",
-        "fast": True,
-        "compute": "auto",
-        "env": EXPANDABLE,
-        "fidelity_vs": "pack defaults",
-    },
     "pack low-VRAM, 1.0 GiB cap": {"kind": "pack", "low_vram": True, "cap_gib": 1.0, "env": EXPANDABLE},
     "pack low-VRAM + fast, 1.0 GiB cap": {
         "kind": "pack",
@@ -138,7 +131,11 @@ CONFIGS: dict[str, dict] = {
     "server: pack fast": {"kind": "server", "sets": ["2.fast=true"]},
     "server: pack fast + step_cache 0.1": {"kind": "server", "sets": ["2.fast=true", "2.step_cache=0.1"]},
     "server: pack compute fp8": {"kind": "server", "sets": ["2.compute=fp8"]},
-    "server: pack compute fp8, no Memory Snapshot": {"kind": "server", "sets": ["2.compute=fp8"], "no_snapshot": True},
+    "server: pack compute fp8, no Memory Snapshot": {
+        "kind": "server",
+        "sets": ["2.compute=fp8"],
+        "no_snapshot": True,
+    },
     "server: pack low-VRAM": {"kind": "server", "workflow": "pixart_lowvram_low_vram_api.json"},
     "server: pack keep_loaded": {"kind": "server", "keep": True},
     # The pack's int8 MODEL under core's KSampler: the bundled LoRA workflow without its LoRA loader.

@@ -41,7 +41,6 @@ MAX_BATCH = 64
 MAX_STEPS = 1000
 MAX_CFG = 100.0
 MAX_SEED = 2**64 - 1
-AUTO_COMPUTE = "auto"
 CUSTOM_RESOLUTION = "custom"
 NATIVE_RESOLUTION = "native"  # a square of the model's own size (its transformer's sample_size × 8)
 
@@ -182,14 +181,14 @@ INPUTS = inputs.Inputs(
     inputs.Input(
         "compute",
         inputs.CHOICE,
-        AUTO_COMPUTE,
-        f"How the transformer's blocks compute. {AUTO_COMPUTE}: fp16, or with fast the 8-bit path this GPU "
-        f"runs fastest (fp8 on RTX 40, L4, H100 and newer). {compute_paths.tooltip()} The 8-bit paths are close "
-        "to fp16's image, not equal to it.",
-        choices=[AUTO_COMPUTE, *compute_paths.COMPUTES],
+        compute_paths.FP16,
+        f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
+        "weights (the sampler's peak about 1 GiB lower at 1024²) and give an image close to fp16's, not equal "
+        "to it; on an H200 they are no faster than fp16 (docs/BENCHMARKS.md).",
+        choices=list(compute_paths.COMPUTES),
         optional=True,
         checked=False,  # compute_paths.require(), against the device and the quantization
-        help=f"{AUTO_COMPUTE}: fp16, or with --fast the fastest 8-bit path of this GPU. {compute_paths.tooltip()}",
+        help=f"how the blocks compute: {compute_paths.tooltip()}",
     ),
 )
 # The int8 Model Loader's: where the transformer comes from, how it is quantized and how it computes.
@@ -273,7 +272,7 @@ class SamplerSettings:
             if isinstance(weights, TransformerFile)
             else self.model.config("transformer"),
         }
-        derived["compute"] = resolve_compute(self.compute, self.fast, device, self.quantization)
+        compute_paths.require(self.compute, device, self.quantization)
         if self.resolution == NATIVE_RESOLUTION:
             derived["width"] = derived["height"] = weights.native_size
         elif self.resolution == CUSTOM_RESOLUTION:
@@ -348,23 +347,6 @@ class SamplerSettings:
         if self.scheme.if_out_of_memory:
             steps.append(self.scheme.if_out_of_memory)
         return ", ".join([*steps, measure.FREE_OTHERS])
-
-
-def resolve_compute(compute: object, fast: bool, device: torch.device, quantization: object) -> str:
-    """The compute path ``compute`` stands for (``auto``: fp16, or with ``fast`` fp8 where the GPU has fp8
-    tensor cores), checked against ``device`` and the quantization (:func:`.quant.compute.require`)."""
-    if compute == AUTO_COMPUTE:
-        fp8_card = (
-            device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= compute_paths.CAPABILITY[compute_paths.FP8]
-        )
-        quantized = quantization in ("qint8", "qfloat8")
-        compute = compute_paths.FP8 if fast and fp8_card and quantized else compute_paths.FP16
-    if compute not in compute_paths.COMPUTES:
-        offered = ", ".join([AUTO_COMPUTE, *compute_paths.COMPUTES])
-        raise ValueError(f"compute {compute!r} is not offered; choose one of {offered}.")
-    compute_paths.require(compute, device, str(quantization))
-    return compute
 
 
 def check_denoise(denoise: float, has_latent: bool = True) -> None:

@@ -116,7 +116,7 @@ def test_a_low_rank_branch_adds_its_lora_to_its_rows():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"compute": "int4"}, r"compute 'int4' is not offered; choose one of auto, fp16, int8, fp8"),
+        ({"compute": "int4"}, r"compute 'int4' is not offered; choose one of fp16, int8, fp8\."),
         (
             {"compute": "int8", "quantization": "qfloat8"},
             r"compute 'int8' runs on qint8 weights, and quantization is 'qfloat8'; set quantization to qint8",
@@ -148,24 +148,7 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
         compute.require("fp8", torch.device("cuda"), "qint8")
 
 
-@pytest.mark.parametrize(
-    ("capability", "fast", "quantization", "expected"),
-    [
-        ((9, 0), True, "qint8", "fp8"),
-        ((8, 9), True, "qfloat8", "fp8"),
-        ((9, 0), False, "qint8", "fp16"),  # the default never compiles
-        ((8, 6), True, "qint8", "fp16"),
-        ((9, 0), True, "none", "fp16"),
-    ],
-)
-def test_auto_is_fp8_only_with_fast_on_an_fp8_card(monkeypatch, capability, fast, quantization, expected):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    got = sampler.resolve_compute("auto", fast, torch.device("cuda"), quantization)
-    assert got == expected
-    assert sampler.resolve_compute("auto", True, torch.device("cpu"), "qint8") == "fp16"
-
-
-def test_the_settings_hold_the_resolved_path_in_their_cache_key(tiny):
+def test_the_path_is_in_the_cache_key_and_compiles_the_blocks(tiny):
     fp16 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
     int8 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, compute="int8")
     assert (fp16.compute, int8.compute) == ("fp16", "int8")

@@ -488,8 +488,8 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
 
     from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora
-    from pixart_lowvram.core.quant import compute as compute_paths
     from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import compute as compute_paths
 
     if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
         pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")

@@ -60,9 +60,9 @@ def tooltip() -> str:
     return " ".join(f"{name}: {text}." for name, text in DESCRIPTIONS.items())
 
 
-def require(compute: str, device: torch.device, scheme: str) -> None:
+def require(compute: object, device: torch.device, scheme: object) -> None:
     """Raise one clear line unless ``compute`` runs on ``device`` with weights of quantization ``scheme``."""
-    if compute not in COMPUTES:
+    if not isinstance(compute, str) or compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} is not offered; choose one of {', '.join(COMPUTES)}.")
     if compute == FP16:
         return
