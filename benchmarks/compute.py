@@ -239,6 +239,69 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
     }
 
 
+# CUDA kernel names by what they do (cuBLAS/CUTLASS GEMMs, fp8 GEMMs, attention, inductor's fused
+# kernels, the rest).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "int_mm", "cublas", "wgmma")),
+    ("fused elementwise and norms (inductor)", ("triton",)),
+)
+
+
+def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
+    """One later sampler run (20 steps, the transformer kept and compiled) under torch's profiler: CUDA
+    kernel time by kind, per transformer forward, and the run's wall clock."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.pool import cache
+
+    embeds, seed = prompts[0]
+    settings = sampler.SamplerSettings(
+        source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
+    )
+    for _ in range(2):  # load, compile, warm
+        sampler.sample(settings, embeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sampler.sample(settings, embeds)
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if (
+            not total
+            or event.key.startswith(("Memcpy", "Memset"))
+            or (
+                "::" in event.key
+                and "kernel" not in event.key.lower()
+                and not any(word in event.key.lower() for _, words in KERNEL_KINDS for word in words)
+            )
+        ):
+            continue
+        name = event.key.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + total / 1000
+    forwards = SETTINGS["steps"]
+    cache.clear()
+    torch.cuda.empty_cache()
+    top = sorted(
+        prof.key_averages(),
+        key=lambda e: -(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)),
+    )[:12]
+    return {
+        "options": options,
+        "ms_per_forward": {kind: round(ms / forwards, 3) for kind, ms in sorted(kinds.items())},
+        "top_kernels": [
+            (
+                e.key[:90],
+                round((getattr(e, "device_time_total", None) or e.cuda_time_total) / 1000 / forwards, 3),
+            )
+            for e in top
+        ],
+    }
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     mse = float(((a * 255).round().double() - (b * 255).round().double()).pow(2).mean())
     return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
@@ -318,6 +381,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("compute"))
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--only", action="append", default=[], help="a sampler row's name (repeatable)")
+    parser.add_argument(
+        "--profile", action="store_true", help="only the kernel time by kind of compiled fp16 and fp8 runs"
+    )
     args = parser.parse_args()
     from pixart_lowvram.core import models, vae
 
@@ -338,11 +404,24 @@ def main() -> int:
         (args.out / "compute.md").write_text(text)
         return text
 
+    source = models.resolve_model(str(args.model_dir))
+    quant_cache = args.out / ".quant_cache"
+    if args.profile:
+        prompts = encode_prompts(source, quant_cache)
+        rows = {
+            "fp16 + fast": {"compute": "fp16", "fast": True},
+            "fp8": {"compute": "fp8"},
+            "int8": {"compute": "int8"},
+        }
+        profiles = {
+            name: profile_row(source, prompts, options, quant_cache) for name, options in rows.items()
+        }
+        (args.out / "compute_profile.json").write_text(json.dumps(profiles, indent=1))
+        print(json.dumps(profiles, indent=1))
+        return 0
     if not args.skip_kernels:
         results["kernels"] = kernels()
         write()
-    source = models.resolve_model(str(args.model_dir))
-    quant_cache = args.out / ".quant_cache"
     prompts = encode_prompts(source, quant_cache)
     decoder = vae.DecoderSettings(source, device="cuda")
     results["sampler"]["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)

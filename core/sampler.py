@@ -296,9 +296,10 @@ class SamplerSettings:
 
     @property
     def compiled(self) -> bool:
-        """Whether the blocks run compiled: with ``fast``, and on the 8-bit paths (whose activations'
-        quantization pays only fused into the kernel before it, :mod:`.quant.compute`)."""
-        return self.fast or self.compute != compute_paths.FP16
+        """Whether the blocks run compiled: with ``fast``, and on a GPU for the 8-bit paths (whose activations'
+        quantization pays only fused into the kernel before it, :mod:`.quant.compute`; on the CPU a compile
+        takes minutes and the 8-bit paths run eager)."""
+        return self.fast or (self.compute != compute_paths.FP16 and self.device.type == "cuda")
 
     @property
     def dense(self) -> bool:

@@ -232,7 +232,7 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
     patcher = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)(
         model, load_device=load_device, offload_device=offload_device
     )
-    if settings.compiled:
+    if settings.compiled and load_device.type == "cuda":
         # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
         # sampler compiles them: compiled at the first step, on whichever device the blocks then are.
         from comfy_api.torch_helpers import set_torch_compile_wrapper

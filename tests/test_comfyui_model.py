@@ -116,3 +116,37 @@ def test_the_packs_sampler_takes_the_lora_node(server):
     at_zero = image(server, prompt)
     assert np.abs(with_lora.astype(int) - plain.astype(int)).mean() > 2
     assert np.array_equal(at_zero, plain)
+
+
+def computing(prompt: dict, compute: str) -> dict:
+    prompt[node_id(prompt, "PixArtQ_ModelLoader")]["inputs"]["compute"] = compute
+    return prompt
+
+
+def test_the_loader_computes_in_8_bits_with_core_loras_beside_the_products(server):
+    """The loader's ``compute`` int8 (on the CPU: eager, the same arithmetic as the GPU's compiled blocks):
+    an image close to compute fp16's, a LoRA through core's loader runs as low-rank branches (strength 1
+    changes the image, strength 0 gives the image without it), the same image twice."""
+    start = server.log.stat().st_size
+    fp16 = image(server, without_lora(lora_prompt(1.0)))
+    plain = image(server, computing(without_lora(lora_prompt(1.0)), "int8"))
+    with_lora = image(server, computing(lora_prompt(1.0), "int8"))
+    at_zero = image(server, computing(lora_prompt(0.0), "int8"))
+    assert "Traceback" not in server.log_text(start)
+    difference = np.abs(plain.astype(int) - fp16.astype(int)).mean()
+    assert 0 < difference < 2, f"int8 compute moved the image by {difference} levels on average"
+    assert np.abs(with_lora.astype(int) - plain.astype(int)).mean() > 2
+    assert np.array_equal(at_zero, plain)
+    assert np.array_equal(image(server, computing(without_lora(lora_prompt(1.0)), "int8")), plain)
+
+
+def test_a_bad_compute_is_refused_in_one_line(server):
+    prompt = computing(without_lora(lora_prompt(1.0)), "int8")
+    prompt[node_id(prompt, "PixArtQ_ModelLoader")]["inputs"]["quantization"] = "qfloat8"
+    run = server.run(prompt)
+    assert run.status == "error"
+    assert run.error["exception_type"] == "ValueError"
+    assert (
+        "compute 'int8' runs on qint8 weights, and quantization is 'qfloat8'"
+        in run.error["exception_message"]
+    )

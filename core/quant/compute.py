@@ -16,8 +16,8 @@ The activation's quantization is an absmax over each row and a division, which p
 inside the kernel that made the activation (the norm and modulation before the attention's and
 feed-forward's inputs, the GELU before the second feed-forward layer): run by themselves they cost more
 than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the 8-bit paths run
-their blocks compiled (``torch.compile``), where inductor fuses the quantization into the kernel before it;
-their eager form (the same numbers, unfused) is what the CPU tier checks.
+their blocks compiled (``torch.compile``) on a GPU, where inductor fuses the quantization into the kernel
+before it. On the CPU they run eager (the same arithmetic, unfused): a compile there takes minutes.
 
 Only the layers of the transformer's blocks compute in 8 bits: their rows are the image's tokens (4096 at
 1024²) or the caption's. The embeddings, the time conditioning, the caption projection and ``proj_out``
