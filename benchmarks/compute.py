@@ -269,15 +269,7 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     kinds: dict[str, float] = {}
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if (
-            not total
-            or event.key.startswith(("Memcpy", "Memset"))
-            or (
-                "::" in event.key
-                and "kernel" not in event.key.lower()
-                and not any(word in event.key.lower() for _, words in KERNEL_KINDS for word in words)
-            )
-        ):
+        if not total or event.key.startswith(("Memcpy", "Memset")):
             continue
         name = event.key.lower()
         kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
