@@ -372,6 +372,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("compute"))
     parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--kernels-only", action="store_true", help="the kernels part alone")
     parser.add_argument("--only", action="append", default=[], help="a sampler row's name (repeatable)")
     parser.add_argument(
         "--profile", action="store_true", help="only the kernel time by kind of compiled fp16 and fp8 runs"
@@ -414,6 +415,9 @@ def main() -> int:
     if not args.skip_kernels:
         results["kernels"] = kernels()
         write()
+    if args.kernels_only:
+        print(write())
+        return 0
     prompts = encode_prompts(source, quant_cache)
     decoder = vae.DecoderSettings(source, device="cuda")
     results["sampler"]["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)
