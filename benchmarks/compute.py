@@ -262,7 +262,7 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     )
     for _ in range(2):  # load, compile, warm
         sampler.sample(settings, embeds)
-    torch.cuda.synchronize()
+    later = timed(lambda: sampler.sample(settings, embeds))[0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         sampler.sample(settings, embeds)
         torch.cuda.synchronize()
@@ -283,6 +283,7 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     )[:12]
     return {
         "options": options,
+        "later_seconds": later,
         "ms_per_forward": {kind: round(ms / forwards, 3) for kind, ms in sorted(kinds.items())},
         "top_kernels": [
             (
@@ -401,15 +402,21 @@ def main() -> int:
     quant_cache = args.out / ".quant_cache"
     if args.profile:
         prompts = encode_prompts(source, quant_cache)
+        from pixart_lowvram.core.quant import compute
+
         rows = {
-            "fp16 + fast": {"compute": "fp16", "fast": True},
-            "fp8": {"compute": "fp8"},
-            "int8": {"compute": "int8"},
+            "fp16 + fast": ({"compute": "fp16", "fast": True}, True),
+            "fp8": ({"compute": "fp8"}, True),
+            "fp8, exact accumulation": ({"compute": "fp8"}, False),
+            "int8": ({"compute": "int8"}, True),
         }
-        profiles = {
-            name: profile_row(source, prompts, options, quant_cache) for name, options in rows.items()
-        }
-        (args.out / "compute_profile.json").write_text(json.dumps(profiles, indent=1))
+        profiles = {}
+        for name, (options, fast_accumulation) in rows.items():
+            compute.FAST_ACCUMULATION = fast_accumulation
+            torch._dynamo.reset()
+            profiles[name] = profile_row(source, prompts, options, quant_cache)
+            (args.out / "compute_profile.json").write_text(json.dumps(profiles, indent=1))
+        compute.FAST_ACCUMULATION = True
         print(json.dumps(profiles, indent=1))
         return 0
     if not args.skip_kernels:

@@ -41,6 +41,8 @@ E4M3_MAX = 448.0
 INT8_MAX = 127.0
 # At or below this many rows a call takes the fp16 path (``torch._int_mm`` needs more than 16 on CUDA).
 MIN_ROWS = 32
+# Hopper's fp8 products accumulate faster in fewer bits between promotions (torchao's inference default).
+FAST_ACCUMULATION = True
 # The smallest CUDA compute capability with the tensor cores each 8-bit path needs.
 CAPABILITY = {INT8: (7, 5), FP8: (8, 9)}
 CARDS = {INT8: "an NVIDIA GPU of compute capability 7.5 or newer (RTX 20 and later)", FP8: "an NVIDIA GPU "
@@ -121,7 +123,12 @@ def linear(
         quantized = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
         # Row-wise scales give bf16 on every torch that has them; one rounding more than fp16's output.
         out = torch._scaled_mm(
-            quantized, weight.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=torch.bfloat16
+            quantized,
+            weight.t(),
+            scale_a=x_scale,
+            scale_b=scale_b,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=FAST_ACCUMULATION,
         )
     out = out.to(input.dtype)
     if bias is not None:
