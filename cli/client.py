@@ -61,7 +61,7 @@ def load_workflow(path: Path) -> dict:
     if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
         raise ClientError(
             f"{path} is a UI-format workflow; queue the API format "
-            "(ComfyUI: Workflow > Export (API), or the *_api.json files in example_workflows/api/)"
+            "(ComfyUI: Workflow > Export (API), or the *_api.json files in workflows/api/)"
         )
     if not isinstance(workflow, dict) or not all(
         isinstance(node, dict) and "class_type" in node for node in workflow.values()

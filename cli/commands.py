@@ -133,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser(
         "queue", help="run an API-format workflow on a running ComfyUI and download its images", **defaults
     )
-    q.add_argument(
-        "workflow", type=Path, help="an API-format workflow (e.g. example_workflows/api/*_api.json)"
-    )
+    q.add_argument("workflow", type=Path, help="an API-format workflow (e.g. workflows/api/*_api.json)")
     q.add_argument(
         "--server", default=None, help="the ComfyUI to queue on (default: this machine's, port 8188)"
     )

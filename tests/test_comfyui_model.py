@@ -18,7 +18,7 @@ from pixart_lowvram.cli.random_model import save_random_lora
 
 pytestmark = pytest.mark.comfyui
 
-WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_lora_ksampler_api.json"
+WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_lora_ksampler_api.json"
 LORA = "tiny-lora.safetensors"
 # ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
 # (a division by zero): the tiny model runs through core's KSampler at this size, not its native 64 px.
