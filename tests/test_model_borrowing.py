@@ -99,6 +99,9 @@ def test_an_incomplete_copy_does_not_borrow_from_a_folder_deeper_down(tiny_folde
     assert BORROW_RULE in message and str(work) in message and "no other model folder there" in message
     for unrelated in ("leftover-test", str(leftover), str(other_root)):
         assert unrelated not in message
+    # The borrowing rule once, then one pointer: not the general layout paragraph after it.
+    assert message.count("borrows") == 1 and models.LAYOUT_HINT not in message
+    assert message.endswith(models.LAYOUT_POINTER)
     # Where a stage would look, the error is the same.
     with pytest.raises(FileNotFoundError, match="no vae/ subfolder") as later:
         source.folder(["vae"])
