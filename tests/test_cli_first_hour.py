@@ -286,3 +286,13 @@ def test_queue_without_a_running_comfyui_says_how_to_start_one(tmp_path, capsys)
     assert err.startswith(f"error: could not reach ComfyUI at {server}") and err.count("\n") == 1
     assert "Is ComfyUI running there? Start it in its folder with `python main.py`" in err
     assert "--server" in err.split("Is ComfyUI running there?")[1]
+
+
+def test_usage_lists_every_option_of_generate():
+    """docs/USAGE.md's option table names each of generate's options (old names included)."""
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text(encoding="utf-8")
+    table = usage.split("| option | what |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(--[a-z0-9-]+)", table))
+    generate_parser = commands.build_parser()._subparsers._group_actions[0].choices["generate"]
+    options = {flag for action in generate_parser._actions for flag in action.option_strings}
+    assert sorted(options - named - {"-h", "--help"}) == []
