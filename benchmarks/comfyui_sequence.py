@@ -10,7 +10,7 @@ The steps, in order (each one bounded by a timeout; a failed step does not stop 
   1. pack loaded: /object_info has the pack's node types, the startup log no Traceback and no import failure
      (ComfyUI's own optional nodes that fail to import for a missing package, e.g. comfy_extras/
      nodes_audio.py without torchaudio, log a Traceback too: those are counted apart, as the environment's);
-  2. every bundled API workflow (example_workflows/api/*_api.json) succeeds: model, size and steps set with
+  2. every bundled API workflow (workflows/api/*_api.json) succeeds: model, size and steps set with
      the client's override helpers (cli/client.py), keep_loaded as bundled;
   3. keep_loaded on in every node: two prompts;
   4. POST /free (unload_models, free_memory): ComfyUI moves the three kept models off the device (the log's
@@ -75,7 +75,7 @@ from comfy_server import ServerError
 from pixart_lowvram.cli import client as api
 
 REPO = comfy_server.REPO
-API_WORKFLOWS = REPO / "example_workflows" / "api"
+API_WORKFLOWS = REPO / "workflows" / "api"
 BASE_WORKFLOW = API_WORKFLOWS / "pixart_lowvram_basic_api.json"
 T5, SAMPLER = "PixArtQ_T5Encode", "PixArtQ_Sampler"
 NODE_IDS = (T5, SAMPLER, "PixArtQ_VAEDecode", "PixArtQ_FreeVRAM", "PixArtQ_MemorySnapshot")

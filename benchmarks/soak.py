@@ -61,7 +61,7 @@ from comfy_server import ServerError
 
 from pixart_lowvram.cli import client as api
 
-WORKFLOW = comfy_server.REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
+WORKFLOW = comfy_server.REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
 T5, SAMPLER, SNAPSHOT = "PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_MemorySnapshot"
 MIB = 2**20
 DECODE, FREE_VRAM = "PixArtQ_VAEDecode", "PixArtQ_FreeVRAM"

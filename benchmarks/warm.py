@@ -455,7 +455,7 @@ def run_server(
         link_core_models(model_dir, base, base.parent / "core_models")
     else:
         name = config.get("workflow", "pixart_lowvram_basic_api.json")
-        workflow = api.load_workflow(comfy_server.REPO / "example_workflows" / "api" / name)
+        workflow = api.load_workflow(comfy_server.REPO / "workflows" / "api" / name)
         workflow = without(workflow, config.get("drop", ()))
         sets = [
             f"{key}.model=pixart-full"

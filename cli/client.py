@@ -30,6 +30,11 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "http://127.0.0.1:8188"
+# What a refused connection says to do: most often no ComfyUI runs there yet.
+START_HINT = (
+    "Is ComfyUI running there? Start it in its folder with `python main.py` (it listens on 127.0.0.1:8188; "
+    "--listen and --port change that), or give the address of a running one with --server."
+)
 # Node inputs renamed since workflows were saved with them: class_type -> {old name: name}, and values of a
 # choice renamed: (class_type, input) -> {old value: value}. Applied when a workflow is loaded.
 RENAMED_INPUTS = {"PixArtQ_Sampler": {"weights": "quantization"}}
@@ -61,7 +66,7 @@ def load_workflow(path: Path) -> dict:
     if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
         raise ClientError(
             f"{path} is a UI-format workflow; queue the API format "
-            "(ComfyUI: Workflow > Export (API), or the *_api.json files in example_workflows/api/)"
+            "(ComfyUI: Workflow > Export (API), or the *_api.json files in workflows/api/)"
         )
     if not isinstance(workflow, dict) or not all(
         isinstance(node, dict) and "class_type" in node for node in workflow.values()
@@ -230,6 +235,10 @@ class Client:
     def _request(self, method: str, path: str, **kwargs) -> requests.Response:
         try:
             return self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
+        except requests.ConnectionError as exc:
+            raise ClientError(
+                f"could not reach ComfyUI at {self.url} ({method} {path}): {exc}. {START_HINT}"
+            ) from exc
         except requests.RequestException as exc:
             raise ClientError(f"could not reach ComfyUI at {self.url} ({method} {path}): {exc}") from exc
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from ..core import (
     timeline,
     vae,
 )
+from ..core.contract import check_each
 from ..core.devices import PRECISIONS, as_device
 from ..core.models import HUB_IDS, ModelSource, resolve_model
 from ..core.pool import cache
@@ -78,6 +80,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def program_name() -> str:
+    """What the command line is called, as it was started: ``pixart-lowvram`` (the installed script),
+    ``python -m pixart_lowvram``, or the name of another script that calls :func:`main`."""
+    started = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m pixart_lowvram" if started in ("", "-c", "__main__.py") else started
+
+
 def build_parser() -> argparse.ArgumentParser:
     where = (
         f"Folders: the demo's random models and the pre-quantized weights go under ${folders.HOME_ENV} "
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"${quant_cache.ENV} moves the pre-quantized weights alone. Images and memory reports go to --out."
     )
     parser = argparse.ArgumentParser(
-        prog="python -m pixart_lowvram",
+        prog=program_name(),
         description="PixArt-Σ on ordinary GPUs from the command line: a demo on random weights, images from "
         "real weights, the pre-quantized weight cache, and workflows queued on a ComfyUI server.",
         epilog=where,
@@ -133,9 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser(
         "queue", help="run an API-format workflow on a running ComfyUI and download its images", **defaults
     )
-    q.add_argument(
-        "workflow", type=Path, help="an API-format workflow (e.g. example_workflows/api/*_api.json)"
-    )
+    q.add_argument("workflow", type=Path, help="an API-format workflow (e.g. workflows/api/*_api.json)")
     q.add_argument(
         "--server", default=None, help="the ComfyUI to queue on (default: this machine's, port 8188)"
     )
@@ -198,33 +205,63 @@ def quant_cache_folder(args: argparse.Namespace) -> Path | None:
 
 def stage_settings(args: argparse.Namespace, source: ModelSource):
     """The three stages' settings from the command line, each checked as it is made (before any model
-    loads). Low-VRAM mode also decodes in tiles."""
+    loads); one error names every bad input. ``args.loras`` holds the LoRAs main() checked. Low-VRAM mode
+    also decodes in tiles."""
     cache_dir = quant_cache_folder(args)
     given = vars(args)
-    encoding = text_encoder.EncoderSettings(
-        source, device=args.device, quant_cache=cache_dir, **text_encoder.INPUTS.command_line_values(given)
-    )
-    sampling = sampler.SamplerSettings(
-        source,
-        device=encoding.device,
-        precision=args.precision,
-        quant_cache=cache_dir,
-        loras=tuple(lora.LoraSpec.parse(text) for text in args.loras),
-        **sampler.INPUTS.command_line_values(given),
-    )
-    decoding = vae.DecoderSettings(
-        source,
-        device=encoding.device,
-        precision=args.precision,
-        **{**vae.INPUTS.command_line_values(given), **({"tiling": "on"} if args.low_vram else {})},
+    device = as_device(args.device)
+    encoding, sampling, decoding = check_each(
+        lambda: text_encoder.EncoderSettings(
+            source, device=device, quant_cache=cache_dir, **text_encoder.INPUTS.command_line_values(given)
+        ),
+        lambda: sampler.SamplerSettings(
+            source,
+            device=device,
+            precision=args.precision,
+            quant_cache=cache_dir,
+            loras=args.loras,
+            **sampler.INPUTS.command_line_values(given),
+        ),
+        lambda: vae.DecoderSettings(
+            source,
+            device=device,
+            precision=args.precision,
+            **{**vae.INPUTS.command_line_values(given), **({"tiling": "on"} if args.low_vram else {})},
+        ),
     )
     return encoding, sampling, decoding
+
+
+def weights_of(weights, component: str) -> str:
+    """Where a stage's weights are read from: a single file, a model's component folder (its lender's for
+    a borrowed one), or a hub id's."""
+    if not isinstance(weights, ModelSource):
+        return str(weights.path)  # a single file
+    if weights.path is None:
+        return f"{component}/ of the hub model {weights.hub_id}"
+    return str(weights.borrowed().get(component, weights.path) / component)
+
+
+def say_what_loads(encoding, sampling, decoding) -> None:
+    """With -v: what each stage loads, from where, quantized how, in which dtype, on which device."""
+    vae_weights = decoding.vae_file if decoding.vae_file is not None else weights_of(decoding.model, "vae")
+    for stage, settings, weights, how in (
+        ("t5_encode", encoding, weights_of(encoding.weights, "text_encoder"), encoding.scheme.name),
+        ("sample", sampling, weights_of(sampling.weights, "transformer"), sampling.scheme.name),
+        ("vae_decode", decoding, vae_weights, "none"),
+    ):
+        logger.info(
+            "%s loads %s: quantization %s, %s on %s", stage, weights, how, settings.dtype, settings.device
+        )
+    for spec in sampling.loras:
+        logger.info("sample adds the LoRA %s at strength %g", spec.path, spec.strength)
 
 
 def run(args: argparse.Namespace, model: str) -> dict:
     """encode -> sample -> decode, each stage freeing its model; write PNG, report and snapshot."""
     # Every setting is checked before the first model loads (the output folder and prefix in main).
     encoding, sampling, decoding = stage_settings(args, resolve_model(model))
+    say_what_loads(encoding, sampling, decoding)
     if not args.prompt.strip():
         # Allowed, as in the nodes: PixArt samples an image that follows no text, which may be a mistake.
         logger.warning("the prompt is empty: the image follows no text; give one with --prompt")
@@ -295,6 +332,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
+    # matplotlib (the memory timeline) keeps its font cache and config under the pack's home folder, not
+    # in ~/.cache and ~/.config; a folder the user names for it is kept.
+    os.environ.setdefault("MPLCONFIGDIR", str(folders.home() / "matplotlib"))
+    if not args.verbose:
+        # transformers' "Loading weights" and "Writing model shards" bars; -v shows them.
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     quiet_optional_kernel_notice()
     measure.prefer_expandable_segments()  # before CUDA's first allocation
     if args.command == "queue":
@@ -305,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         # Refused before any model is built or loaded; nothing is made until an image is written.
         outputs.check_folder(args.out, "--out")
         outputs.check_prefix(args.prefix, "--prefix")
+        # Each --lora's strength and file (its header: a LoRA's layers), before the demo builds its model.
+        args.loras = tuple(check_each(*(partial(lora.LoraSpec.parse, text) for text in args.loras)))
     if args.command == "demo":
         folder = args.model_dir or folders.home() / f"random-{args.preset}"
         device = as_device(args.device)  # refused here, before the model is built, when it is not present
@@ -327,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         run(args, str(folder))
         print(
             "the weights are random, so the image is noise: this run shows that the stages, the memory "
-            "report and the files work. Real weights: python -m pixart_lowvram generate --model …"
+            f"report and the files work. Real weights: {program_name()} generate --model …"
         )
     elif args.command == "generate":
         run(args, args.model)

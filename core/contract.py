@@ -79,6 +79,22 @@ def check_size(name: str, value: object) -> None:
         )
 
 
+def check_each(*checks: Callable[[], object]) -> list:
+    """Run every one of ``checks`` (checks, or settings to make) and return what each returned; when any
+    refuses its input, raise one error that names every refusal in order, not only the first."""
+    results, problems = [], []
+    for check in checks:
+        try:
+            results.append(check())
+        except (ValueError, TypeError) as exc:
+            problems.append(exc)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ValueError(" ".join(dict.fromkeys(str(problem) for problem in problems)))
+    return results
+
+
 def check_latent_tensor(latents: object, use: str, fix: str) -> torch.Tensor:
     """A LATENT's samples must be a [batch, 4, h, w] tensor (the SDXL VAE's latents)."""
     if not isinstance(latents, torch.Tensor):

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from . import quant
-from .contract import check_flag, check_number
+from .contract import check_each, check_flag, check_number
 
 # An input's kind: what its node widget and its command-line option take.
 INT, FLOAT, BOOL, CHOICE, TEXT = "int", "float", "bool", "choice", "text"
@@ -160,12 +161,13 @@ class Inputs:
         """The settings field's default: the input's value when it is not given."""
         return self[name].unset
 
-    def check(self, settings: object) -> None:
-        """Check the settings' fields as their declarations allow: the flags first, then the numbers and
-        fixed choices in the node's order."""
+    def check(self, settings: object, *more: Callable[[], None]) -> None:
+        """Check the settings' fields as their declarations allow — the flags first, then the numbers and
+        fixed choices in the node's order — and the settings' own ``more`` checks, all of them: one error
+        names every bad input."""
         checked = [item for item in self.settings_fields if item.checked]
-        for item in sorted(checked, key=lambda item: item.kind != BOOL):
-            item.check(getattr(settings, item.name))
+        ordered = sorted(checked, key=lambda item: item.kind != BOOL)
+        check_each(*(partial(item.check, getattr(settings, item.name)) for item in ordered), *more)
 
     def settings_values(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The settings' keyword arguments from a node's inputs (``given``: its keyword arguments but the

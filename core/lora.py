@@ -61,14 +61,17 @@ class LoraSpec:
             raise FileNotFoundError(
                 f"LoRA {str(self.path)!r} does not exist; give the path of a PixArt-Σ LoRA .safetensors file."
             )
+        check_file(self.path)
 
     @classmethod
     def parse(cls, text: str) -> LoraSpec:
-        """``FILE`` or ``FILE:STRENGTH`` (the command line's ``--lora``)."""
+        """``FILE`` or ``FILE:STRENGTH`` (the command line's ``--lora``). Text after the last colon that is
+        not a number is a bad strength, whatever the file is called, unless the whole text names a file
+        (a colon in a file name, a Windows drive)."""
         path, sep, strength = str(text).rpartition(":")
         if sep and path and _is_number(strength):
             return cls(Path(path), float(strength))
-        if sep and path.lower().endswith(".safetensors"):
+        if sep and path and not Path(text).is_file():
             raise ValueError(
                 f"--lora {text!r}: the strength {strength!r} is not a number; give FILE or FILE:STRENGTH, e.g. "
                 f"{path}:0.8."
@@ -99,6 +102,40 @@ class Factors:
         return (self.scale * (up @ down)).reshape(like.shape).to(like.dtype)
 
 
+def check_file(path: Path) -> None:
+    """Refuse a file that is not a LoRA the pack reads, from its header alone (no tensor is read): every
+    LoraSpec is checked so when it is made, before any model loads (the command line's ``--lora``, the
+    LoRA node's input)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as file:
+            keys = set(file.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(
+            f"LoRA {path.name} is not a readable safetensors file ({exc}); it is damaged or partly downloaded: "
+            "download it again."
+        ) from exc
+    if not any(_pairs(keys)):
+        raise ValueError(_no_layers(path, len(keys)))
+
+
+def _pairs(keys: set[str]) -> Iterator[tuple[str, str, str]]:
+    """(stem, up key, down key) of each layer whose two factors are both in ``keys``."""
+    for key in sorted(keys):
+        for up_suffix, down_suffix in FACTORS:
+            stem = key[: -len(up_suffix)]
+            if key.endswith(up_suffix) and stem + down_suffix in keys:
+                yield stem, key, stem + down_suffix
+
+
+def _no_layers(path: Path, tensors: int) -> str:
+    return (
+        f"LoRA {path.name} holds no LoRA layers (no lora_A/lora_B or lora_down/lora_up pairs among its "
+        f"{tensors} tensors); it is not a LoRA file, or one of a format the pack does not read."
+    )
+
+
 def read(spec: LoraSpec) -> dict[str, Factors]:
     """The layers of ``spec``'s file, by diffusers module name of the transformer, at its strength."""
     from safetensors import safe_open
@@ -106,22 +143,13 @@ def read(spec: LoraSpec) -> dict[str, Factors]:
     with safe_open(spec.path, framework="pt") as file:
         keys = set(file.keys())
         layers: dict[str, Factors] = {}
-        for key in sorted(keys):
-            for up_suffix, down_suffix in FACTORS:
-                if not key.endswith(up_suffix):
-                    continue
-                stem = key[: -len(up_suffix)]
-                if stem + down_suffix not in keys:
-                    continue
-                up, down = file.get_tensor(key), file.get_tensor(stem + down_suffix)
-                rank = down.shape[0]
-                alpha = file.get_tensor(stem + ".alpha").item() if stem + ".alpha" in keys else rank
-                layers[_module_name(stem)] = Factors(up, down, spec.strength * alpha / rank)
-    if not layers:
-        raise ValueError(
-            f"LoRA {spec.path.name} holds no LoRA layers (no lora_A/lora_B or lora_down/lora_up pairs among "
-            f"its {len(keys)} tensors); it is not a LoRA file, or one of a format the pack does not read."
-        )
+        for stem, up_key, down_key in _pairs(keys):
+            up, down = file.get_tensor(up_key), file.get_tensor(down_key)
+            rank = down.shape[0]
+            alpha = file.get_tensor(stem + ".alpha").item() if stem + ".alpha" in keys else rank
+            layers[_module_name(stem)] = Factors(up, down, spec.strength * alpha / rank)
+    if not layers:  # the file changed since its LoraSpec was made
+        raise ValueError(_no_layers(spec.path, len(keys)))
     return layers
 
 

@@ -18,7 +18,8 @@ HUB_1024 = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 # VAE from the 1024 model.
 HUB_IDS = (HUB_1024, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS", "PixArt-alpha/PixArt-Sigma-XL-2-2K-MS")
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
-# What a transformer-only folder (the 2K model, often the 512 one) borrows from a 1024 folder.
+# What a transformer-only folder (the 2K model, often the 512 one) borrows from a 1024 folder. A folder
+# borrows only in that shape, with none of them: one that has some and lacks another is damaged.
 BORROWED = ("tokenizer", "text_encoder", "vae")
 NATIVE_1024 = 128  # the 1024 px models' transformer sample_size (latent pixels)
 LAYOUT_HINT = (
@@ -29,6 +30,8 @@ LAYOUT_HINT = (
     + ", ".join(BORROWED)
     + " from a complete 1024 folder beside it."
 )
+# Where the errors about a missing part point, instead of repeating LAYOUT_HINT after their own fix.
+LAYOUT_POINTER = "The folder layout: docs/USAGE.md#512-1024-and-2k-models."
 
 
 def find_model_folders(roots: Iterable[str | os.PathLike]) -> list[str]:
@@ -71,7 +74,7 @@ class ModelSource:
     hub_id: str | None = None
     searched: tuple[str, ...] = ()
     # The model that supplies the components this one lacks (a 2K folder's T5, tokenizer and VAE): a
-    # complete folder of the same pipeline class beside it (see resolve_model).
+    # complete folder of the same pipeline class beside it that passes its own checks (see resolve_model).
     lender: ModelSource | None = None
     # Where a lender was looked for (the model folder's parent) and, when none was found, each model folder
     # there with why it cannot lend: what an error about a missing component names.
@@ -84,9 +87,9 @@ class ModelSource:
         return str(self.path) if self.path is not None else f"hub:{self.hub_id}"
 
     def borrowed(self) -> dict[str, Path]:
-        """Each component this local folder lacks and takes from its lender -> the lender's folder. Only
-        missing components are borrowed: a folder with its own vae/ keeps it. Empty for a complete folder,
-        for one with no lender beside it, and for a hub id (what a hub repository lacks is known only once
+        """Each component this local folder lacks and takes from its lender -> the lender's folder. Empty
+        for a complete folder, for a damaged one (with some of tokenizer/, text_encoder/, vae/ and not all:
+        it borrows nothing), for one with no lender beside it, and for a hub id (what a hub repository lacks is known only once
         it is downloaded; :meth:`borrowing_note` names the published 512 and 2K ones' lender)."""
         if self.path is None or self.lender is None or self.lender.path is None:
             return {}
@@ -178,16 +181,23 @@ class ModelSource:
             f"model {self.name!r}: folder {folder} has no {names} subfolder{'s' if len(missing) > 1 else ''}."
         )
         own = [component for component in missing if component not in BORROWED]
+        present = [f"{component}/" for component in BORROWED if (folder / component).is_dir()]
         if own:
-            fix = (
-                f" Only {', '.join(BORROWED)} can come from another folder; {', '.join(own)} must be in the "
-                f"model's own folder: copy the model again."
+            return (
+                f"{head} Only {', '.join(BORROWED)} can come from another folder; {', '.join(own)} must be in "
+                f"the model's own folder: copy the model again. {LAYOUT_HINT}"
             )
-        elif self.path is not None:
-            fix = " " + self._no_lender_text()
+        if self.path is None:
+            return f"{head} {LAYOUT_HINT}"
+        if present:
+            fix = (
+                f"It has {', '.join(present)}, so it is a whole model with a part missing (damaged, or not "
+                f"copied whole), not a transformer-only 512 or 2K folder, and it borrows nothing. Copy {names} "
+                f"again from the model's download (or the whole model)."
+            )
         else:
-            fix = ""
-        return f"{head}{fix} {LAYOUT_HINT}"
+            fix = self._no_lender_text()
+        return f"{head} {fix} {LAYOUT_POINTER}"
 
     def _no_lender_text(self) -> str:
         beside, considered = self.beside, self.considered
@@ -203,8 +213,7 @@ class ModelSource:
             found = "there is no other model folder there"
         return (
             f"A folder without {', '.join(BORROWED)} borrows them from a complete PixArt-Σ 1024 folder beside it "
-            f"(a {family} by its {MODEL_INDEX}, with {', '.join(f'{c}/' for c in BORROWED)} and their configs) "
-            f"in {beside}, and {found}. Put this folder beside a complete one (e.g. a copy of {HUB_1024}), "
+            f"(a {family} by its {MODEL_INDEX}, whole, that passes its own checks) in {beside}, and {found}. Put this folder beside a complete one (e.g. a copy of {HUB_1024}), "
             f"or copy the missing subfolders into it."
         )
 
@@ -287,8 +296,10 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
     """Turn what the user picked into a :class:`ModelSource`, or raise an error that says where to look.
     ``roots`` (ComfyUI's models/diffusers folders) are where a name is looked up.
 
-    A folder that lacks tokenizer/, text_encoder/ or vae/ borrows the ones it lacks (only those) from a
-    lender: a complete folder (model_index.json, and tokenizer/, text_encoder/, vae/ each with its config)
+    A folder that lacks all of tokenizer/, text_encoder/ and vae/ (the shape the 512 and 2K models ship
+    in) borrows them from a lender; one that has some of them and lacks another is damaged and borrows
+    nothing (its error names the missing part and the fix). The lender is a complete folder that passes
+    its own checks (:meth:`ModelSource.check_complete`: every part there, configs and weights readable)
     of the same pipeline class (model_index.json's ``_class_name``; PixArtSigmaPipeline when the borrower's
     names none) that sits beside it: a sibling, a folder with the same parent as the model's folder as it
     was named (symlinks not resolved). Nothing below a sibling, elsewhere in the roots or higher up is
@@ -347,15 +358,20 @@ def _pipeline_class(folder: Path) -> str | None:
 
 
 def _cannot_lend(folder: Path, family: str) -> str | None:
-    """Why ``folder`` cannot lend to a folder of pipeline class ``family``; None when it can."""
+    """Why ``folder`` cannot lend to a folder of pipeline class ``family``; None when it can: it must be
+    of that class, have every component itself and pass its own checks (weights' headers read, nothing
+    loaded), so that a part is never taken from a damaged model."""
     found = _pipeline_class(folder)
     if found != family:
         return f"a {found}, not a {family}" if found else f"its {MODEL_INDEX} names no {family}"
-    for component in BORROWED:
+    for component in COMPONENTS:
         if not (folder / component).is_dir():
             return f"no {component}/"
-        if not (folder / component / CONFIG_FILES[component]).is_file():
-            return f"no {component}/{CONFIG_FILES[component]}"
+    try:
+        ModelSource(folder.name, folder.resolve()).check_complete()
+    except (OSError, ValueError) as exc:
+        # The error's first sentence: what is wrong, and where (the fix is for that model's own user).
+        return "fails its own check: " + str(exc).removeprefix(f"model {folder.name!r}: ").split(". ")[0]
     return None
 
 
@@ -369,11 +385,12 @@ def _sample_size(folder: Path) -> int | None:
 def _find_lender(
     folder: Path, beside: Path, searched: tuple[str, ...]
 ) -> tuple[ModelSource | None, tuple[str, ...]]:
-    """For a folder without T5, tokenizer or VAE (the 2K model, often the 512 one): the complete folder of
+    """For a folder without T5, tokenizer and VAE (the 2K model, often the 512 one): the complete folder of
     its pipeline class among its siblings in ``beside`` to take them from, a 1024 one first (what the 2K
     model's users pair it with); and, when there is none, each sibling model folder with why it cannot
-    lend. Siblings' subfolders are not searched."""
-    if all((folder / component).is_dir() for component in BORROWED):
+    lend. Siblings' subfolders are not searched. A folder with any of the three, complete or damaged,
+    borrows nothing."""
+    if any((folder / component).is_dir() for component in BORROWED):
         return None, ()
     family = _pipeline_class(folder) or PIPELINE_CLASS
     try:

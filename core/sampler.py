@@ -250,7 +250,11 @@ class SamplerSettings:
     config: dict = field(init=False, repr=False, compare=False)  # the transformer's
 
     def __post_init__(self) -> None:
-        INPUTS.check(self)
+        # A size given for resolution custom is checked with the other inputs (one error names them all);
+        # the sizes worked out from the model are checked below.
+        given = [(n, v) for n, v in (("width", self.width), ("height", self.height)) if v is not None]
+        sizes = given if self.resolution == CUSTOM_RESOLUTION else []
+        INPUTS.check(self, *(functools.partial(check_size, name, value) for name, value in sizes))
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
         object.__setattr__(self, "loras", tuple(self.loras))

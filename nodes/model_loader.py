@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import folder_paths
 from comfy_api.latest import io
 
@@ -78,8 +80,24 @@ class PixArtLoRA(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, lora_name=None) -> bool | str:
+        # Before any node runs: a file that is not a LoRA is refused before T5 or the transformer loads, with
+        # the command line's message. Naming lora_name here leaves its list check to lora_path.
+        if lora_name is None:  # linked: checked when the node runs
+            return True
+        try:
+            lora.check_file(lora_path(lora_name))
+        except (OSError, ValueError) as exc:
+            return str(exc)
+        return True
+
+    @classmethod
     def execute(cls, lora_name, strength, loras=()) -> io.NodeOutput:
-        path = folder_paths.get_full_path("loras", lora_name)
-        if path is None:
-            raise FileNotFoundError(f"lora_name {lora_name!r} is not in models/loras; put the file there.")
-        return io.NodeOutput((*loras, lora.LoraSpec(path, strength)))
+        return io.NodeOutput((*loras, lora.LoraSpec(lora_path(lora_name), strength)))
+
+
+def lora_path(lora_name: str) -> Path:
+    path = folder_paths.get_full_path("loras", lora_name)
+    if path is None:
+        raise FileNotFoundError(f"lora_name {lora_name!r} is not in models/loras; put the file there.")
+    return Path(path)

@@ -26,8 +26,8 @@ import requests
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-API_WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
-UI_WORKFLOW = REPO / "example_workflows" / "pixart_lowvram_basic.json"
+API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
+UI_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic.json"
 
 NODE_IDS = (
     "PixArtQ_T5Encode",

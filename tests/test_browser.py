@@ -130,7 +130,8 @@ def test_dropped_workflow_loads_and_becomes_the_api_prompt(page, path):
     loaded = {node["id"]: node for node in state["graph"]["nodes"]}
     for node in workflow["nodes"]:
         assert loaded[node["id"]]["type"] == node["type"]
-        assert loaded[node["id"]]["widgets_values"] == node["widgets_values"], f"node {node['id']}"
+        # The frontend of ComfyUI 0.33.0 leaves out an empty widgets_values (Free VRAM has no widgets).
+        assert loaded[node["id"]].get("widgets_values", []) == node["widgets_values"], f"node {node['id']}"
         assert loaded[node["id"]]["pos"] == node["pos"]
     api = read(path.parent / "api" / (path.stem + "_api.json"))
     assert graph_of(state["prompt"]) == graph_of(api)

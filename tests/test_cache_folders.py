@@ -65,12 +65,14 @@ def test_without_the_variables_both_are_in_the_users_cache_folder(monkeypatch, t
 
 
 def test_a_run_leaves_the_users_home_untouched(tmp_path, pack_home):
-    """The demo as a test runs it (builds its model, writes pre-quantized weights, draws the memory
-    timeline) in a process whose home is an empty folder: with the folders conftest.py sets, nothing
-    appears there, and the pack's files are in the session's temporary home."""
+    """The demo as a new user runs it (builds its model, writes pre-quantized weights, draws the memory
+    picture with matplotlib) in a process whose home is an empty folder, with PIXART_LOWVRAM_HOME set
+    and no MPLCONFIGDIR or XDG folders: nothing appears in the home folder, and the pack's files,
+    matplotlib's caches among them, are in the session's temporary pack home."""
     home = tmp_path / "home"
     home.mkdir()
-    env = {key: value for key, value in os.environ.items() if key != "XDG_CACHE_HOME"}
+    unset = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR")
+    env = {key: value for key, value in os.environ.items() if key not in unset}
     argv = ["demo", "--steps", "1", "--device", "cpu", "--no-snapshot", "--out", str(tmp_path / "out")]
     proc = subprocess.run(
         [sys.executable, "-m", "pixart_lowvram", *argv],
@@ -83,6 +85,8 @@ def test_a_run_leaves_the_users_home_untouched(tmp_path, pack_home):
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(home.rglob("*")) == []
+    assert (tmp_path / "out" / "pixart_00001_memory.png").is_file()  # drawn with matplotlib
+    assert list((pack_home / "matplotlib").glob("fontlist-*.json"))
     assert (pack_home / "random-tiny" / "model_index.json").is_file()
     made_from = [
         quant_cache.source_of(entry)["source"] for entry in quant_cache.entries(pack_home / "quantized")

@@ -182,8 +182,10 @@ def test_the_demo_says_what_it_builds_and_that_its_image_is_noise(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "about 321 MB: its VAE is the full-size SDXL VAE" in proc.stderr
     assert "the weights are random, so the image is noise" in proc.stdout
-    # bitsandbytes' notice about its optional CPU kernel is not shown (it reads like an error).
+    # bitsandbytes' notice about its optional CPU kernel is not shown (it reads like an error), nor
+    # transformers' progress bars as the model is built and T5 loaded and saved pre-quantized.
     assert "gemm_4bit_forward" not in proc.stderr and "pip install kernels" not in proc.stderr
+    assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
     # The cache listing names the model each entry was made from.
     listing = run_cli("cache", cwd=tmp_path)
     assert str(tmp_path / "m" / "text_encoder") in listing.stdout, listing.stdout
@@ -224,3 +226,73 @@ def test_cache_listing_of_an_empty_folder(tmp_path, capsys):
     assert cli.main(["cache", "--dir", str(tmp_path)]) == 0
     assert f"pre-quantized weight cache: {tmp_path} (0 entries)" in capsys.readouterr().out
     assert quant_cache.entries(tmp_path) == []
+
+
+def test_the_command_line_names_itself_as_it_was_started(tmp_path):
+    script = Path(sys.executable).with_name("pixart-lowvram")  # the entry point .ci/setup installs
+    assert script.is_file(), f"{script} is not installed"
+    installed = subprocess.run(
+        [str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert installed.stdout.startswith("usage: pixart-lowvram "), installed.stdout[:200]
+    assert run_cli("--help", cwd=tmp_path).stdout.startswith("usage: python -m pixart_lowvram ")
+
+
+def test_every_bad_input_is_said_at_once_before_anything_loads(tiny_folder, tmp_path, load_spy, capsys):
+    argv = generate(tiny_folder, tmp_path, "--device", "cpu", "--width", "1000", "--height", "7")
+    assert cli.main([*argv, "--cfg", "-1", "--tiling", "on", "--lora", "style.safetensors:strong"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    # The LoRAs are checked first (before the demo would build its model), the stages' inputs together.
+    assert "the strength 'strong' is not a number" in err
+    assert cli.main([*argv, "--cfg", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    for said in (
+        "cfg -1.0 is out of range",
+        "width 1000 is not a multiple of 16; use 992 or 1008.",
+        "height 7 is out of range; use 64..4096 pixels.",
+    ):
+        assert said in err, err
+    assert load_spy.total() == 0
+
+
+def test_verbose_says_what_each_stage_loads(tiny_folder, tmp_path, caplog):
+    argv = generate(tiny_folder, tmp_path, "--device", "cpu", "--no-snapshot", "--t5-quantization", "none")
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["-v", *argv, "--quantization", "none"]) == 0
+    said = [record.getMessage() for record in caplog.records if " loads " in record.getMessage()]
+    folder = tiny_folder.resolve()
+    assert len(said) == 3, said
+    for line, stage, component in zip(
+        said, ("t5_encode", "sample", "vae_decode"), ("text_encoder", "transformer", "vae"), strict=True
+    ):
+        assert line.startswith(f"{stage} loads {folder / component}: quantization none, torch."), line
+        assert line.endswith(" on cpu"), line
+
+
+def test_queue_without_a_running_comfyui_says_how_to_start_one(tmp_path, capsys):
+    import socket
+
+    from test_workflows import api_file
+
+    with socket.socket() as free:  # a port that nothing listens on once it is closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    server = f"http://127.0.0.1:{port}"
+    assert cli.main(["queue", str(api_file("basic")), "--server", server]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: could not reach ComfyUI at {server}") and err.count("\n") == 1
+    assert "Is ComfyUI running there? Start it in its folder with `python main.py`" in err
+    assert "--server" in err.split("Is ComfyUI running there?")[1]
+
+
+def test_usage_lists_every_option_of_generate():
+    """docs/USAGE.md's option table names each of generate's options (old names included)."""
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text(encoding="utf-8")
+    table = usage.split("| option | what |", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(--[a-z0-9-]+)", table))
+    generate_parser = commands.build_parser()._subparsers._group_actions[0].choices["generate"]
+    options = {flag for action in generate_parser._actions for flag in action.option_strings}
+    assert sorted(options - named - {"-h", "--help"}) == []

@@ -15,7 +15,7 @@ from pixart_lowvram.cli import client
 from pixart_lowvram.cli.client import ClientError, apply_overrides, check_workflow, expand
 
 REPO = Path(__file__).resolve().parents[1]
-API_WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_basic_api.json"
+API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
 MODEL = "PixArt-Sigma-XL-2-1024-MS"
 
 
@@ -138,7 +138,7 @@ def test_check_names_missing_node_types_and_models(workflow):
 def test_ui_format_workflow_is_refused(tmp_path):
     """A UI file is refused with a pointer to the bundled API files, which are where it says."""
     with pytest.raises(ClientError, match="UI-format workflow; queue the API format") as refused:
-        client.load_workflow(REPO / "example_workflows" / "pixart_lowvram_basic.json")
+        client.load_workflow(REPO / "workflows" / "pixart_lowvram_basic.json")
     (folder,) = re.findall(r"the \*_api\.json files in (\S+)/\)", str(refused.value))
     assert REPO / folder == API_WORKFLOW.parent
     bad = tmp_path / "bad.json"

@@ -11,15 +11,19 @@ import json
 import numpy as np
 import pytest
 import requests
+import torch
 from comfyui_support import HTTP_TIMEOUT, MODEL, REPO, STEPS, node_id, running_server
 from PIL import Image
+from safetensors.torch import save_file
 
 from pixart_lowvram.cli.random_model import save_random_lora
+from pixart_lowvram.core import lora
 
 pytestmark = pytest.mark.comfyui
 
-WORKFLOW = REPO / "example_workflows" / "api" / "pixart_lowvram_lora_ksampler_api.json"
+WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_lora_ksampler_api.json"
 LORA = "tiny-lora.safetensors"
+NOT_A_LORA = "not-a-lora.safetensors"  # a safetensors file with no LoRA layers
 # ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
 # (a division by zero): the tiny model runs through core's KSampler at this size, not its native 64 px.
 SIZE = 320
@@ -29,6 +33,7 @@ SIZE = 320
 def server(request, tmp_path_factory, tiny_folder):
     base = tmp_path_factory.mktemp("comfyui")
     save_random_lora(tiny_folder, base / "models" / "loras" / LORA, scale=0.15)
+    save_file({"a": torch.zeros(1)}, base / "models" / "loras" / NOT_A_LORA)
     with running_server(request, base, tiny_folder) as started:
         yield started
 
@@ -150,3 +155,19 @@ def test_a_bad_compute_is_refused_in_one_line(server):
         "compute 'int8' runs on qint8 weights, and quantization is 'qfloat8'"
         in run.error["exception_message"]
     )
+
+
+def test_a_file_that_is_not_a_lora_is_refused_when_queued_with_the_command_lines_message(server):
+    """Refused by the LoRA node's validation, before any node runs (T5 included), in the words of the
+    command line's --lora."""
+    from comfyui_support import basic_prompt
+
+    prompt = basic_prompt()
+    prompt["lora"] = {"class_type": "PixArtQ_LoRA", "inputs": {"lora_name": NOT_A_LORA, "strength": 1.0}}
+    prompt[node_id(prompt, "PixArtQ_Sampler")]["inputs"]["loras"] = ["lora", 0]
+    response = server.queue(prompt)
+    assert response.status_code == 400, response.text
+    with pytest.raises(ValueError) as expected:
+        lora.check_file(server.base / "models" / "loras" / NOT_A_LORA)
+    errors = response.json()["node_errors"]["lora"]["errors"]
+    assert any(str(expected.value) in error.get("details", "") for error in errors), errors

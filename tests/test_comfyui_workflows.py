@@ -445,19 +445,23 @@ def test_two_servers_at_once_both_finish(two_servers, tmp_path):
         assert np.array_equal(pixels(a), pixels(b))
 
 
+# What ComfyUI (app/custom_node_manager.py, v0.3.64 to v0.33.0) says of a pack's workflows/ folder, at
+# DEBUG level only: it serves the folder all the same, as it serves example_workflows/.
+RENAME_NOTE = "Found example workflow folder 'workflows' for custom node '{pack}', consider renaming it"
+
+
 @pytest.fixture(scope="module")
 def debug_server(request, tmp_path_factory, tiny_folder):
-    """A server that logs at DEBUG level: ComfyUI says "consider renaming it to 'example_workflows'" of a
-    pack's templates folder under another name it accepts (workflows/, examples/, ...) at that level only."""
+    """A server that logs at DEBUG level, where ComfyUI notes the name of a pack's templates folder."""
     base = tmp_path_factory.mktemp("comfyui_debug")
     with running_server(request, base, tiny_folder, ("--verbose", "DEBUG")) as started:
         yield started
 
 
 def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
-    """ComfyUI's templates browser shows the UI workflows of example_workflows/ (not the API files in
-    example_workflows/api/, which open as an empty graph there), serves each one and its thumbnail at the
-    URLs the frontend asks for, and finds the folder under the name it prefers."""
+    """ComfyUI's templates browser shows the UI workflows of workflows/ (not the API files in
+    workflows/api/, which open as an empty graph there), and serves each one and its thumbnail at the
+    URLs the frontend asks for."""
     server = debug_server
     listed = server.get("/workflow_templates")
     (names,) = [names for pack, names in listed.items() if pack == PACK_LINK]
@@ -471,9 +475,16 @@ def test_templates_browser_lists_the_ui_workflows_with_thumbnails(debug_server):
         thumbnail = requests.get(f"{url}.jpg", timeout=HTTP_TIMEOUT)
         assert thumbnail.ok and thumbnail.headers["Content-Type"].startswith("image/")
         assert thumbnail.content == path.with_suffix(".jpg").read_bytes()
-    log = server.log_text()
-    loading = [
-        line.strip() for line in strip_colour(log).splitlines() if "Trying to load custom node" in line
-    ]
+    log = strip_colour(server.log_text())
+    loading = [line.strip() for line in log.splitlines() if "Trying to load custom node" in line]
     assert any(line.endswith(PACK_LINK) for line in loading), "the server does not log at DEBUG level"
-    assert "consider renaming" not in log
+    # The folder ComfyUI found is workflows/, once (no second folder of workflows beside it).
+    assert log.count("Found example workflow folder") == 1 and RENAME_NOTE.format(pack=PACK_LINK) in log
+
+
+def test_the_folder_name_note_is_not_in_the_log_at_the_default_level(server):
+    """ComfyUI's note on the workflows/ folder's name is a DEBUG line: a server at its default level
+    logs nothing about the pack's workflows (no warning, no rename advice)."""
+    log = strip_colour(server.log_text())
+    assert "Trying to load custom node" not in log, "the server logs at DEBUG level"
+    assert "consider renaming" not in log and "Found example workflow folder" not in log

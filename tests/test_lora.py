@@ -5,6 +5,7 @@ the sampler with a LoRA against diffusers' pipeline with the same LoRA merged in
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,19 +122,61 @@ def test_a_lora_of_another_model_is_named_with_how_many_layers_matched(quantized
     assert warnings[1].startswith("LoRA partial.safetensors: 10 of its 14 layers match")
 
 
-def test_bad_lora_inputs_get_clear_errors(tmp_path):
+def test_bad_lora_inputs_get_clear_errors(tiny_folder, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         lora.LoraSpec(tmp_path / "missing.safetensors")
     (tmp_path / "x.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"not a \.safetensors file"):
         lora.LoraSpec(tmp_path / "x.pt")
-    save_file({"a": torch.zeros(1)}, tmp_path / "empty.safetensors")
+    path = lora_file(tiny_folder, tmp_path)
     with pytest.raises(ValueError, match="out of range"):
-        lora.LoraSpec(tmp_path / "empty.safetensors", 11)
-    with pytest.raises(ValueError, match="holds no LoRA layers"):
-        lora.read(lora.LoraSpec(tmp_path / "empty.safetensors"))
-    assert lora.LoraSpec.parse(f"{tmp_path}/empty.safetensors:0.5").strength == 0.5
-    assert lora.LoraSpec.parse(f"{tmp_path}/empty.safetensors").strength == 1.0
+        lora.LoraSpec(path, 11)
+    assert lora.LoraSpec.parse(f"{path}:0.5").strength == 0.5
+    assert lora.LoraSpec.parse(str(path)).strength == 1.0
+    # A colon in the file's own name is the file's, not a strength.
+    named = tmp_path / "style:v2.safetensors"
+    named.write_bytes(path.read_bytes())
+    assert lora.LoraSpec.parse(str(named)) == lora.LoraSpec(named, 1.0)
+    assert lora.LoraSpec.parse(f"{named}:0.5") == lora.LoraSpec(named, 0.5)
+
+
+@pytest.mark.parametrize("name", ["somefile", "missing.safetensors", "x.pt", "C:/loras/style.safetensors"])
+def test_a_strength_that_is_no_number_is_named_whatever_the_file(tmp_path, name):
+    text = f"{tmp_path / name if not name.startswith('C:') else name}:abc"
+    with pytest.raises(ValueError) as error:
+        lora.LoraSpec.parse(text)
+    assert str(error.value).startswith(f"--lora {text!r}: the strength 'abc' is not a number; give FILE or")
+
+
+def not_a_lora(tmp_path: Path) -> Path:
+    save_file({"a": torch.zeros(1)}, tmp_path / "empty.safetensors")
+    return tmp_path / "empty.safetensors"
+
+
+def test_a_file_that_is_not_a_lora_is_refused_when_named(tmp_path):
+    """From the header alone, when the LoraSpec is made (the command line's --lora, the LoRA node)."""
+    with pytest.raises(
+        ValueError, match=r"LoRA empty\.safetensors holds no LoRA layers .* among its 1 tensors"
+    ):
+        lora.LoraSpec(not_a_lora(tmp_path))
+    (tmp_path / "cut.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(
+        ValueError, match=r"LoRA cut\.safetensors is not a readable safetensors file .* download it"
+    ):
+        lora.LoraSpec(tmp_path / "cut.safetensors")
+
+
+def test_a_bad_lora_on_the_command_line_stops_before_any_model_loads(tiny_folder, tmp_path, load_spy, capsys):
+    from pixart_lowvram.cli import main as cli
+
+    path = not_a_lora(tmp_path)
+    argv = ["generate", "--model", str(tiny_folder), "--device", "cpu", "--out", str(tmp_path / "out")]
+    assert cli.main([*argv, "--lora", str(path)]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ValueError) as expected:
+        lora.check_file(path)
+    assert err == f"error: {expected.value}\n"
+    assert load_spy.total() == 0 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("quantization", ["none", "qint8"])

@@ -1,7 +1,8 @@
-"""Which folder lends a model the tokenizer/, text_encoder/ and vae/ it lacks: only a complete folder of
-the same pipeline class beside it (a sibling), never one found deeper down or under another root; the
-borrowing is said at WARNING level; and check_complete finds a missing or broken part of the whole model
-(own or lent) before anything loads."""
+"""Which folder lends a model the tokenizer/, text_encoder/ and vae/ it lacks: only to a folder that lacks
+all three (the shape the 512 and 2K models ship in; one that lacks some is damaged and borrows nothing),
+and only a complete folder of the same pipeline class beside it (a sibling) that passes its own checks,
+never one found deeper down or under another root; the borrowing is said at WARNING level; and
+check_complete finds a missing or broken part of the whole model (own or lent) before anything loads."""
 
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
 
 
-# --- the issue: an incomplete copy borrowed from an unrelated folder deeper down ----------------------
+# --- an incomplete copy never borrows from an unrelated folder deeper down ----------------------
 
 
 def test_an_incomplete_copy_does_not_borrow_from_a_folder_deeper_down(tiny_folder, tmp_path, no_loading):
     work = tmp_path / "work"
-    model = linked_copy(tiny_folder, work / "tiny-without-vae", without=("vae",))
+    model = linked_copy(tiny_folder, work / "tiny-transformer-only", without=BORROWED)
     leftover = linked_copy(tiny_folder, work / "leftover-test" / "run-3" / "tiny")
     other_root = tmp_path / "diffusers"
     linked_copy(tiny_folder, other_root / "sigma-1024")
@@ -94,10 +95,13 @@ def test_an_incomplete_copy_does_not_borrow_from_a_folder_deeper_down(tiny_folde
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
-    assert f"folder {model.resolve()} has no vae/ subfolder." in message
+    assert f"folder {model.resolve()} has no tokenizer/, text_encoder/, vae/ subfolders." in message
     assert BORROW_RULE in message and str(work) in message and "no other model folder there" in message
     for unrelated in ("leftover-test", str(leftover), str(other_root)):
         assert unrelated not in message
+    # The borrowing rule once, then one pointer: not the general layout paragraph after it.
+    assert message.count("borrows") == 1 and models.LAYOUT_HINT not in message
+    assert message.endswith(models.LAYOUT_POINTER)
     # Where a stage would look, the error is the same.
     with pytest.raises(FileNotFoundError, match="no vae/ subfolder") as later:
         source.folder(["vae"])
@@ -120,25 +124,42 @@ def test_nothing_below_a_sibling_or_under_another_root_lends(tmp_path):
 # --- the rule: a complete sibling of the same family; only what is missing ------------------------------
 
 
-def test_a_complete_sibling_lends_exactly_what_is_missing(tmp_path):
+def test_a_complete_sibling_lends_a_transformer_only_folder_all_three(tmp_path):
     root = tmp_path / "diffusers"
     lender = minimal(root / "sigma-1024").resolve()
-    part = minimal(root / "part", ("transformer", "scheduler", "vae"), sample_size=256)
-    source = resolve_model("part", [root])
+    part = minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)
+    source = resolve_model("sigma-2k", [root])
     assert source.lender is not None and source.lender.path == lender
-    assert source.borrowed() == {"tokenizer": lender, "text_encoder": lender}
-    assert (
-        source.borrowing_note() == f"model 'part' has no tokenizer/, text_encoder/: they come from {lender}"
-    )
-    assert source.folder(["vae"]) == part.resolve()  # its own vae/ is kept
-    assert source.folder(["text_encoder"]) == source.folder(["tokenizer"]) == lender
+    assert source.borrowed() == dict.fromkeys(BORROWED, lender)
+    assert source.folder(["transformer"]) == part.resolve()
+    assert source.folder(["text_encoder"]) == source.folder(["tokenizer"]) == source.folder(["vae"]) == lender
     source.check_complete()
 
-    only_vae = resolve_model(
-        str(minimal(root / "no-vae", ("tokenizer", "text_encoder", "transformer", "scheduler")))
-    )
-    assert only_vae.borrowed() == {"vae": lender}
-    assert only_vae.borrowing_note() == f"model {str(root / 'no-vae')!r} has no vae/: it comes from {lender}"
+
+@pytest.mark.parametrize(
+    "has",
+    [("tokenizer", "text_encoder"), ("vae",), ("text_encoder",)],
+    ids=["no-vae", "no-t5", "no-tokenizer"],
+)
+def test_a_folder_with_some_of_the_parts_is_damaged_and_borrows_nothing(tmp_path, caplog, has):
+    root = tmp_path / "diffusers"
+    minimal(root / "sigma-1024")  # a complete sibling that could lend
+    folder = minimal(root / "damaged", ("transformer", "scheduler", *has))
+    with caplog.at_level(logging.WARNING):
+        source = resolve_model("damaged", [root])
+    assert source.lender is None and source.borrowed() == {} and source.borrowing_note() is None
+    assert not caplog.records
+    lacking = [component for component in BORROWED if component not in has]
+    with pytest.raises(FileNotFoundError) as error:
+        source.check_complete()
+    message = str(error.value)
+    names = ", ".join(f"{component}/" for component in lacking)
+    assert f"folder {folder.resolve()} has no {names} subfolder" in message
+    assert "a whole model with a part missing" in message and "it borrows nothing" in message
+    assert f"Copy {names} again from the model's download" in message
+    assert "sigma-1024" not in message and BORROW_RULE not in message
+    # The one pointer to the layout, not the general paragraph after the fix.
+    assert message.endswith(models.LAYOUT_POINTER) and models.LAYOUT_HINT not in message
 
 
 def test_a_1024_sibling_comes_first_then_the_name(tmp_path):
@@ -189,7 +210,47 @@ def test_an_incomplete_sibling_does_not_lend_and_is_named(tmp_path):
         source.check_complete()
     message = str(error.value)
     assert "has no tokenizer/, text_encoder/, vae/ subfolders" in message
-    assert "sigma-1024 (no vae/config.json)" in message and "sigma-512 (no vae/)" in message
+    assert f"sigma-1024 (fails its own check: {broken.resolve() / 'vae'} has no config.json" in message
+    assert "sigma-512 (no vae/)" in message
+
+
+def test_a_damaged_copy_of_the_tiny_model_beside_a_broken_one_is_refused_with_the_fix(
+    tiny_folder, tmp_path, no_loading
+):
+    """The case met on a first hour: the demo model copied without vae/, beside a copy whose transformer
+    file was truncated. The first is damaged (it has T5 and the tokenizer), so it borrows nothing; the
+    second fails its own check, so it lends nothing, not even to a transformer-only folder."""
+    work = tmp_path / "work"
+    novae = linked_copy(tiny_folder, work / "tiny-novae", without=("vae",))
+    corrupt = linked_copy(tiny_folder, work / "tiny-corrupt", without=("transformer",))
+    (
+        corrupt / "transformer"
+    ).mkdir()  # its own folder, with the weights cut short as a failed copy leaves them
+    shutil.copy(tiny_folder / "transformer" / "config.json", corrupt / "transformer")
+    original = (tiny_folder / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    (corrupt / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(
+        original[: len(original) // 2]
+    )
+    source = resolve_model(str(novae))
+    assert source.lender is None and source.borrowing_note() is None
+    with pytest.raises(FileNotFoundError) as error:
+        source.check_complete()
+    message = str(error.value)
+    assert (
+        "has no vae/ subfolder" in message and "Copy vae/ again" in message and "tiny-corrupt" not in message
+    )
+
+    transformer_only = linked_copy(
+        tiny_folder, work / "tiny-2k", without=("tokenizer", "text_encoder", "vae")
+    )
+    source = resolve_model(str(transformer_only))
+    assert source.lender is None
+    with pytest.raises(FileNotFoundError, match=BORROW_RULE) as error:
+        source.check_complete()
+    weights = corrupt.resolve() / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert f"tiny-corrupt (fails its own check: {weights} is not a readable safetensors file" in str(
+        error.value
+    )
 
 
 # --- check_complete: the whole model, before the first stage ----------------------------------------------
@@ -198,10 +259,10 @@ def test_an_incomplete_sibling_does_not_lend_and_is_named(tmp_path):
 @pytest.mark.parametrize("component", ["transformer", "scheduler"])
 def test_a_missing_transformer_or_scheduler_is_found_before_anything_loads(tmp_path, no_loading, component):
     root = tmp_path / "diffusers"
-    minimal(root / "sigma-1024")  # a lender for vae/, which cannot lend the transformer or scheduler
-    folder = minimal(root / "half", tuple(c for c in COMPONENTS if c not in (component, "vae")))
+    minimal(root / "sigma-1024")  # a lender for T5, tokenizer and VAE, which cannot lend the others
+    folder = minimal(root / "half", tuple(c for c in ("transformer", "scheduler") if c != component))
     source = resolve_model("half", [root])
-    assert set(source.borrowed()) == {"vae"}
+    assert set(source.borrowed()) == set(BORROWED)
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -266,12 +327,28 @@ def test_a_damaged_part_is_named(tmp_path, no_loading, damage, error, parts):
     assert all(part in message for part in parts), message
 
 
-def test_a_lent_part_is_checked_too(tmp_path, no_loading):
+@pytest.mark.parametrize("part", ["vae", "transformer"])
+def test_a_sibling_that_fails_its_own_check_lends_nothing(tmp_path, no_loading, part):
+    """Even a part the borrower does not take (its transformer) makes the sibling no lender."""
+    root = tmp_path / "diffusers"
+    broken = minimal(root / "sigma-1024")
+    (broken / part / "diffusion_pytorch_model.safetensors").unlink()
+    source = resolve_model(str(minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)))
+    assert source.lender is None
+    source.check_complete(["transformer", "scheduler"])
+    with pytest.raises(FileNotFoundError, match=BORROW_RULE) as error:
+        source.check_complete()
+    reason = f"sigma-1024 (fails its own check: {broken.resolve() / part} holds no .safetensors weights)"
+    assert reason in str(error.value)
+
+
+def test_a_lent_part_is_checked_where_it_is_used(tmp_path, no_loading):
+    """A lender damaged after the model was resolved: the check names the lent part and its folder."""
     root = tmp_path / "diffusers"
     lender = minimal(root / "sigma-1024")
-    (lender / "vae" / "diffusion_pytorch_model.safetensors").unlink()
     source = resolve_model(str(minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)))
     assert source.lender is not None
+    (lender / "vae" / "diffusion_pytorch_model.safetensors").unlink()
     source.check_complete(["tokenizer", "text_encoder", "transformer", "scheduler"])
     with pytest.raises(FileNotFoundError, match=r"no \.safetensors weights") as error:
         source.check_complete()

@@ -21,6 +21,7 @@ from pixart_lowvram.core.models import (
     CONFIG_FILES,
     HUB_1024,
     HUB_IDS,
+    WEIGHTED,
     resolve_model,
 )
 from pixart_lowvram.core.single_files import read_transformer_file
@@ -213,10 +214,14 @@ def test_a_transformer_only_folder_borrows_t5_tokenizer_and_vae(tiny, tiny_folde
 
 
 def complete_stub(folder: Path, sample_size: int) -> None:
-    """A folder that can lend: a PixArt-Σ pipeline by its model_index.json, each component with its config."""
+    """A folder that can lend: a PixArt-Σ pipeline by its model_index.json, each component with its config
+    and what its own check reads (a tokenizer vocabulary, a readable safetensors file)."""
     for component, config in CONFIG_FILES.items():
         (folder / component).mkdir(parents=True)
         (folder / component / config).write_text("{}")
+        if component in WEIGHTED:
+            save_file({"weight": torch.zeros(1)}, folder / component / "diffusion_pytorch_model.safetensors")
+    (folder / "tokenizer" / "tokenizer.json").write_text("{}")
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "PixArtSigmaPipeline"}))
     (folder / "transformer" / "config.json").write_text(json.dumps({"sample_size": sample_size}))
 

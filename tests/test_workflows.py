@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import pytest
 from PIL import Image
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "example_workflows"
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
 
 # Each node type's widget inputs in /object_info's input_order; the frontend stores their values in
 # this order. Inputs that take a link are sockets, not widgets.
@@ -148,8 +148,8 @@ def is_ui(workflow: object) -> bool:
     return isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow
 
 
-# API files live in api/: ComfyUI lists every .json directly in example_workflows/ in its templates
-# browser (not those in subfolders), and an API file opened from there gives an empty graph.
+# API files live in api/: ComfyUI lists every .json directly in workflows/ in its templates browser
+# (not those in subfolders), and an API file opened from there gives an empty graph.
 API_DIR = WORKFLOWS / "api"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 API_FILES = sorted(API_DIR.glob("*.json"))
@@ -213,9 +213,10 @@ def test_the_bundled_workflows_are_all_there():
 
 
 def test_no_other_folder_comfyui_takes_for_workflows():
-    """ComfyUI (app/custom_node_manager.py) lists and serves a pack's workflows from any of these folders
-    as well as example_workflows/, and asks the pack to rename such a folder."""
-    others = ("example", "examples", "workflow", "workflows")
+    """ComfyUI (app/custom_node_manager.py, v0.3.64 to v0.33.0) lists and serves a pack's workflows from
+    any of these folders as well as workflows/; with two of them, the first one mounted would hide the
+    other's files on the older versions. workflows/ is the one the pack's layout names."""
+    others = ("example_workflows", "example", "examples", "workflow")
     assert [name for name in others if (WORKFLOWS.parent / name).exists()] == []
 
 

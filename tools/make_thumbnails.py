@@ -1,12 +1,12 @@
-"""Draw the templates-browser thumbnail of every UI workflow in example_workflows/: ``<name>.jpg`` beside
+"""Draw the templates-browser thumbnail of every UI workflow in workflows/: ``<name>.jpg`` beside
 ``<name>.json``, a picture of the graph: its nodes in execution order with their main settings, linked in the
 canvas's colours for the links' types.
 
-ComfyUI lists every ``*.json`` directly in a custom-node pack's ``example_workflows/`` folder in its
+ComfyUI lists every ``*.json`` directly in a custom-node pack's ``workflows/`` folder in its
 templates browser and asks for the thumbnail at the same path with ``.jpg`` in place of ``.json``. Run this
 after changing a workflow's layout: ``python tools/make_thumbnails.py``. Needs Pillow only.
 
-It lives here, not in example_workflows/: ComfyUI serves that whole folder over HTTP.
+It lives here, not in workflows/: ComfyUI serves that whole folder over HTTP.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-WORKFLOWS = Path(__file__).resolve().parents[1] / "example_workflows"
+WORKFLOWS = Path(__file__).resolve().parents[1] / "workflows"
 SIZE = 512  # px, square: the browser's cards crop to a square
 MARGIN = 28
 NOTES = ("MarkdownNote", "Note")
