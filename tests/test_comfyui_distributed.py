@@ -27,12 +27,14 @@ import numpy as np
 import pytest
 import requests
 from comfyui_support import (
+    API_WORKFLOW,
     DISTRIBUTED,
     DISTRIBUTED_LINK,
     HTTP_TIMEOUT,
     KSAMPLER_API_WORKFLOW,
     MODEL,
     PROMPT_TIMEOUT,
+    REPO,
     STEPS,
     ComfyServer,
     basic_prompt,
@@ -53,6 +55,7 @@ pytestmark = [
     ),
 ]
 
+DOCS_EXAMPLE = REPO / "docs" / "pixart_lowvram_distributed_api.json"
 WORKER = "w1"  # the worker's id in the master's engine config
 LORA = "tiny-lora.safetensors"
 KSAMPLER_SIZE = 320  # core's PixArt needs about 320 px and more (tests/test_comfyui_model.py)
@@ -138,19 +141,34 @@ def cluster(request, tmp_path_factory, tiny_folder, folders) -> dict[str, ComfyS
 def distributed(prompt: dict, seed: int | None = None) -> dict:
     """``prompt`` with a DistributedCollector before its SaveImage and, when ``seed`` is given, a
     DistributedSeed of it into the sampler's seed (the engine gives the master ``seed`` and the n-th
-    worker ``seed + n + 1``)."""
+    worker ``seed + n + 1``); the new nodes take the next free numeric ids, seed first."""
     prompt = json.loads(json.dumps(prompt))
+    ids = (str(n) for n in itertools.count(max(map(int, prompt)) + 1))
     save = node_id(prompt, "SaveImage")
-    prompt["collector"] = {
+    if seed is not None:
+        seed_id = next(ids)
+        (sampler,) = [key for key, node in prompt.items() if "seed" in node["inputs"]]
+        prompt[seed_id] = {
+            "class_type": "DistributedSeed",
+            "_meta": {"title": "Distributed Seed"},
+            "inputs": {"seed": seed},
+        }
+        prompt[sampler]["inputs"]["seed"] = [seed_id, 0]
+    collector = next(ids)
+    prompt[collector] = {
         "class_type": "DistributedCollector",
+        "_meta": {"title": "Distributed Collector"},
         "inputs": {"images": prompt[save]["inputs"]["images"], "load_balance": False},
     }
-    prompt[save]["inputs"]["images"] = ["collector", 0]
-    if seed is not None:
-        prompt["seed"] = {"class_type": "DistributedSeed", "inputs": {"seed": seed}}
-        (sampler,) = [key for key, node in prompt.items() if "seed" in node["inputs"] and key != "seed"]
-        prompt[sampler]["inputs"]["seed"] = ["seed", 0]
+    prompt[save]["inputs"]["images"] = [collector, 0]
     return prompt
+
+
+def test_the_docs_example_is_the_basic_workflow_with_the_engines_nodes():
+    """docs/pixart_lowvram_distributed_api.json (docs/USAGE.md, Many GPUs / machines; the benchmark
+    benchmarks/distributed.py queues it) is the bundled basic API workflow with this module's two nodes."""
+    basic = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
+    assert json.loads(DOCS_EXAMPLE.read_text(encoding="utf-8")) == distributed(basic, seed=0)
 
 
 def fresh_basic(seed: int = 0) -> dict:
@@ -313,8 +331,12 @@ def test_basic_workflow_on_master_and_worker(cluster):
 
     # The engine's rewrites, as the worker got them: its seed node and collector.
     rewritten = work["prompt"][2]
-    assert rewritten["seed"]["inputs"] == {"seed": seed, "is_worker": True, "worker_id": "worker_0"}
-    collector = rewritten["collector"]["inputs"]
+    assert rewritten[node_id(rewritten, "DistributedSeed")]["inputs"] == {
+        "seed": seed,
+        "is_worker": True,
+        "worker_id": "worker_0",
+    }
+    collector = rewritten[node_id(rewritten, "DistributedCollector")]["inputs"]
     assert collector["is_worker"] is True and collector["worker_id"] == WORKER
     assert collector["master_url"] == master.url
     assert node_id(rewritten, "PixArtQ_Sampler")  # the pack's nodes went as they were
@@ -364,7 +386,8 @@ def test_ksampler_workflow_on_master_and_worker(cluster):
     assert not np.array_equal(images[0], images[1])
     work = worker_entry(worker, job_id(entry))
     assert work["status"]["status_str"] == "success", work["status"]
-    assert work["prompt"][2]["seed"]["inputs"]["worker_id"] == "worker_0"
+    rewritten = work["prompt"][2]
+    assert rewritten[node_id(rewritten, "DistributedSeed")]["inputs"]["worker_id"] == "worker_0"
     for name, server in cluster.items():
         log = server.log_text(starts[name])
         assert "Traceback" not in log, (name, log[-4000:])
