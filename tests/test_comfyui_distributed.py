@@ -63,7 +63,6 @@ KSAMPLER_SIZE = 320  # core's PixArt needs about 320 px and more (tests/test_com
 # engine's settings.worker_timeout_seconds; its default is 60 s).
 WORKER_TIMEOUT = 10
 POLL = 0.2  # seconds between looks at a server's /history or /queue
-TEXTS = itertools.count()
 STAGES = ("t5_encode", "sample", "vae_decode")
 
 
