@@ -91,6 +91,21 @@ def _wait_until_up(process: subprocess.Popen, url: str, log: Path, timeout: floa
     raise ServerError(f"ComfyUI did not answer {url}/system_stats within {timeout:g} s; its log: {log}")
 
 
+def link_custom_node(source: Path, target: Path) -> None:
+    """Another node pack, used in place: ``target`` is a folder of this base directory whose every entry
+    links to the entry of ``source`` of the same name. The pack's code is ``source``'s, and what it writes
+    beside its code of its own accord (ComfyUI-Distributed keeps its gpu_config.json there) lands in
+    ``target``, one per server, not in ``source`` (which may be read-only, and shared by several servers)."""
+    source = source.resolve()
+    if not (source / "__init__.py").is_file():
+        raise ServerError(f"{source} is not a ComfyUI node pack (no __init__.py)")
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        if entry.name in (".git", "__pycache__") or (target / entry.name).exists():
+            continue
+        (target / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+
+
 @contextlib.contextmanager
 def started(
     comfyui: Path,
@@ -100,9 +115,13 @@ def started(
     cpu: bool = False,
     extra_args: tuple[str, ...] = (),
     timeout: float = START_TIMEOUT,
+    custom_nodes: dict[str, Path] | None = None,
+    pack: bool = True,
 ) -> Iterator[Server]:
     """ComfyUI from the checkout ``comfyui`` on 127.0.0.1 and a free port, with ``base`` as its base
-    directory: custom_nodes/ links to this repository, models/diffusers/NAME links to each of ``models``.
+    directory: custom_nodes/ links to this repository (unless ``pack`` is False) and holds each of
+    ``custom_nodes`` (NAME: folder, see ``link_custom_node``), models/diffusers/NAME links to each of
+    ``models``.
     $COMFYUI_EXTRA_ARGS (split as a shell would) goes last on its command line, e.g. ``--disable-api-nodes
     --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not installed.
     The server (its whole process group) is stopped on exit; its log is ``base``/server.log."""
@@ -112,8 +131,10 @@ def started(
     for folder in ("custom_nodes", "models/diffusers", "output", "input", "temp"):
         (base / folder).mkdir(parents=True, exist_ok=True)
     link = base / "custom_nodes" / PACK_LINK
-    if not link.exists():
+    if pack and not link.exists():
         link.symlink_to(REPO, target_is_directory=True)
+    for name, folder in (custom_nodes or {}).items():
+        link_custom_node(Path(folder), base / "custom_nodes" / name)
     for name, folder in models.items():
         target = base / "models" / "diffusers" / name
         if not target.exists():

@@ -28,6 +28,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
 UI_WORKFLOW = REPO / "workflows" / "pixart_lowvram_basic.json"
+KSAMPLER_API_WORKFLOW = API_WORKFLOW.with_name("pixart_lowvram_lora_ksampler_api.json")
 
 NODE_IDS = (
     "PixArtQ_T5Encode",
@@ -43,6 +44,10 @@ HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 MODEL = "tiny-pixart"
 SDXL_VAE_FILE = "sdxl_vae.safetensors"  # in models/vae when running_server is given sdxl_vae_file
 PACK_LINK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (benchmarks/comfy_server.py)
+# ComfyUI-Distributed, the engine tests/test_comfyui_distributed.py scales out on: an unmodified snapshot
+# beside the repository, as the ComfyUI checkouts are (.ci/comfyui), and its folder name in custom_nodes/.
+DISTRIBUTED = REPO.parent / "shared" / "engines" / "ComfyUI-Distributed"
+DISTRIBUTED_LINK = "ComfyUI-Distributed"
 SIZE, STEPS = 64, 3  # the tiny model's native size
 
 START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 s
@@ -109,6 +114,7 @@ class ComfyServer:
     url: str
     base: Path
     log: Path
+    pid: int = 0  # the server process (it leads its own process group)
 
     @property
     def output(self) -> Path:
@@ -234,12 +240,16 @@ def running_server(
     extra_args: tuple[str, ...] = (),
     sdxl_vae_file: Path | None = None,
     cpu: bool = True,
+    custom_nodes: dict[str, Path] | None = None,
+    pack: bool = True,
 ) -> Iterator[ComfyServer]:
     """A ComfyUI server on a free local port with ``base`` as its base directory (custom_nodes/ links to
-    this repository, models/diffusers/ holds a copy of the tiny model — tests change it —, models/vae/
-    holds ``sdxl_vae_file`` as ``SDXL_VAE_FILE`` when one is given), started and stopped by
-    benchmarks/comfy_server.py (with --cpu unless ``cpu`` is False: then on the GPU, with the version's
-    defaults such as Dynamic VRAM); its log is printed when a test of the module failed meanwhile."""
+    this repository — not when ``pack`` is False — and to each other node pack of ``custom_nodes``, NAME:
+    folder, used in place: comfy_server.link_custom_node; models/diffusers/ holds a copy of the tiny model
+    — tests change it —, models/vae/ holds ``sdxl_vae_file`` as ``SDXL_VAE_FILE`` when one is given),
+    started and stopped by benchmarks/comfy_server.py (with --cpu unless ``cpu`` is False: then on the
+    GPU, with the version's defaults such as Dynamic VRAM); its log is printed when a test of the module
+    failed meanwhile."""
     import comfy_server  # benchmarks/, on pytest's pythonpath
 
     for folder in ("models/diffusers", "models/vae", "models/vae_approx"):
@@ -261,12 +271,14 @@ def running_server(
                     # extra_data can override it (the web UI's preview setting).
                     extra_args=("--preview-method", "auto", *extra_args),
                     timeout=START_TIMEOUT,
+                    custom_nodes=custom_nodes,
+                    pack=pack,
                 )
             )
         except comfy_server.ServerError as exc:
             pytest.fail(str(exc))
         try:
-            yield ComfyServer(url=started.url, base=base, log=started.log)
+            yield ComfyServer(url=started.url, base=base, log=started.log, pid=started.pid)
         finally:
             if request.session.testsfailed > failed_before:
                 capture = request.config.pluginmanager.getplugin("capturemanager")
