@@ -63,7 +63,9 @@ def pack_model(comfy, tiny_folder, tmp_path_factory):
 def core_file(tmp_path_factory) -> Path:
     """The smallest PixArt-Σ ComfyUI core builds (its detection fixes the width at 1152): one block, as the
     single file Load Diffusion Model reads."""
-    folder = build_random_pixart(tmp_path_factory.mktemp("model") / "tiny-core", "tiny-core", text_encoder=False)
+    folder = build_random_pixart(
+        tmp_path_factory.mktemp("model") / "tiny-core", "tiny-core", text_encoder=False
+    )
     return save_single_file_transformer(folder, tmp_path_factory.mktemp("single") / "core.safetensors")
 
 
@@ -96,7 +98,9 @@ class Forwards:
         return apply_model(args["input"], args["timestep"], **args["c"])
 
 
-def sample(comfy, model, negative_tokens: int = 1, size: int = SIZE, seed: int = 5) -> tuple[torch.Tensor, list]:
+def sample(
+    comfy, model, negative_tokens: int = 1, size: int = SIZE, seed: int = 5
+) -> tuple[torch.Tensor, list]:
     """KSampler's sampling (what its node calls) on ``model`` with a long prompt; the latents and the batch
     of each forward."""
     forwards = Forwards()
@@ -208,7 +212,7 @@ def test_the_patch_node_refuses_a_model_that_is_not_pixart(comfy):
     from pixart_lowvram.nodes.batched_guidance import PixArtBatchedGuidance
 
     other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), torch.device("cpu"), torch.device("cpu"))
-    with pytest.raises(ValueError, match="model: Batched Guidance .* takes a PixArt-Σ MODEL, not a Linear"):
+    with pytest.raises(ValueError, match=r"model: Batched Guidance .* takes a PixArt-Σ MODEL, not a Linear"):
         PixArtBatchedGuidance.execute(other)
 
 
@@ -254,4 +258,3 @@ def test_multigpu_deep_clone_builds_a_fresh_model_that_computes_the_same(comfy, 
     # The node itself: on a CPU-only machine there is no other device to copy to, and the MODEL passes.
     split = comfy.multigpu.create_multigpu_deepclones(pack_model, 2, reuse_loaded=True)
     assert batched_guidance.applied(split)
-
