@@ -197,12 +197,17 @@ def comfy_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch
     }
 
 
-def load(settings: SamplerSettings, disable_dynamic: bool = False) -> comfy.model_patcher.ModelPatcher:
+def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model_patcher.ModelPatcher:
     """The transformer of ``settings`` (its model folder or file, scheme and quantized cache) as a ComfyUI
     MODEL holding its quantized weights, batching its guidance (:mod:`.batched_guidance`) and refusing images
-    too small for ComfyUI's PixArt before sampling (:func:`refuse_small`). ``disable_dynamic``: a plain
-    ``ModelPatcher`` even where Dynamic VRAM makes ``CoreModelPatcher`` its own (ComfyUI's loaders take the
-    same argument; ``cached_patcher_init`` passes it).
+    too small for ComfyUI's PixArt before sampling (:func:`refuse_small`).
+
+    A plain ``ModelPatcher``, also where Dynamic VRAM makes ``CoreModelPatcher`` its own (v0.33): Dynamic
+    VRAM streams ComfyUI's cast operations only, and loads every other layer whole from the backups it keeps
+    in host memory on each load — every sampling run, since a dynamic model is prepared anew each time — so
+    under it the pack's int8 buffers were copied to the device again on every prompt. A plain patcher leaves
+    a loaded MODEL loaded. (``disable_dynamic``, which ComfyUI's ``clone`` passes to a loader's factory,
+    changes nothing here for that reason.)
 
     The patcher's ``cached_patcher_init`` is this function with ``settings``, as ComfyUI's own loaders set
     theirs: ComfyUI's ``deepclone_multigpu`` (MultiGPU CFG Split) builds a fresh MODEL for another device
@@ -227,10 +232,7 @@ def load(settings: SamplerSettings, disable_dynamic: bool = False) -> comfy.mode
     model_config.custom_operations = Int8Ops
     model = model_config.get_model(state, "")
     model.load_model_weights(state, "")
-    patcher_class = comfy.model_patcher.ModelPatcher
-    if not disable_dynamic:
-        patcher_class = getattr(comfy.model_patcher, "CoreModelPatcher", patcher_class)
-    patcher = patcher_class(model, load_device=load_device, offload_device=offload_device)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
     patcher.cached_patcher_init = (load, (settings,))
     batched_guidance.apply(patcher)
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
