@@ -7,10 +7,13 @@ Sampler, in one process with ComfyUI as a library (the full-size architecture wi
 - ``pack sampler + LoRA``: the same with a rank-``--rank`` LoRA on every attention and feed-forward layer;
 - ``KSampler, pack MODEL``: core's sampling (``comfy.sample.sample``, what KSampler runs; dpmpp_2m/normal,
   the nearest to dpmsolver++) on the PixArt-Σ int8 Model Loader's MODEL;
+- ``KSampler, pack MODEL, two passes``: the same without its batched guidance (ComfyUI's own batching:
+  a prompt and a negative of different token counts as two forwards a step); ``…, cfg 1``: one pass a step;
 - ``KSampler, pack MODEL + LoRA``: the same MODEL through core's LoRA loading
   (``comfy.sd.load_lora_for_models``, what LoraLoaderModelOnly runs);
 - ``KSampler, core fp16 MODEL``: core's own PixArt-Σ of the same weights in fp16
-  (``comfy.sd.load_diffusion_model_state_dict``, what Load Diffusion Model runs).
+  (``comfy.sd.load_diffusion_model_state_dict``, what Load Diffusion Model runs), and with the pack's
+  Batched Guidance (PixArt-Σ) node's patch.
 
 Fidelity: latents of ``KSampler, pack MODEL`` against ``KSampler, core fp16 MODEL`` (same sampler, seed and
 conditioning), and of ``pack sampler + LoRA`` against diffusers' pipeline on fp32 weights with the same
@@ -182,6 +185,7 @@ def main() -> None:
     args = parser.parse_args()
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
+    batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
@@ -245,7 +249,7 @@ def main() -> None:
                 model,
                 noise,
                 args.steps,
-                4.5,
+                cfg,
                 "dpmpp_2m",
                 "normal",
                 positive,
@@ -257,11 +261,18 @@ def main() -> None:
 
         return run
 
+    def two_passes(model):
+        """The MODEL without the pack's batched guidance: ComfyUI runs a prompt and a negative of different
+        token counts as two batch-1 forwards a step."""
+        plain = model.clone()
+        plain.model_options.pop(batched_guidance.KEY, None)
+        return plain
+
     pack_model = int8_model.load(settings)
     kind = type(pack_model).__name__
     rows.append(measure("KSampler, pack MODEL", ksampler(pack_model), args.prompts))
-    # cfg 1: one pass a step. ComfyUI's PixArt runs the prompt and the negative as two passes when their token
-    # counts differ (they cannot be concatenated), where the pack's sampler runs them as one batch of two.
+    rows.append(measure("KSampler, pack MODEL, two passes", ksampler(two_passes(pack_model)), args.prompts))
+    # cfg 1: one pass a step (ComfyUI leaves the negative out), the time guidance's second half costs.
     rows.append(measure("KSampler, pack MODEL, cfg 1", ksampler(pack_model, 1.0), args.prompts))
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
     pack_lora, _ = comfy.sd.load_lora_for_models(pack_model, None, lora_state, 1.0, 0)
@@ -275,7 +286,9 @@ def main() -> None:
     fp16_state = load_file(args.model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     core_model = comfy.sd.load_diffusion_model_state_dict(fp16_state)
     rows.append(measure("KSampler, core fp16 MODEL", ksampler(core_model), args.prompts))
-    del core_model
+    patched = batched_guidance.PixArtBatchedGuidance.execute(core_model).result[0]
+    rows.append(measure("KSampler, core fp16 MODEL + Batched Guidance", ksampler(patched), args.prompts))
+    del core_model, patched
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
 
@@ -287,6 +300,13 @@ def main() -> None:
     fidelity = {
         "KSampler pack MODEL vs core fp16 MODEL": cosine(
             by["KSampler, pack MODEL"]["latents"], by["KSampler, core fp16 MODEL"]["latents"]
+        ),
+        "KSampler pack MODEL batched vs two passes": cosine(
+            by["KSampler, pack MODEL"]["latents"], by["KSampler, pack MODEL, two passes"]["latents"]
+        ),
+        "KSampler core fp16 MODEL with vs without Batched Guidance": cosine(
+            by["KSampler, core fp16 MODEL + Batched Guidance"]["latents"],
+            by["KSampler, core fp16 MODEL"]["latents"],
         ),
         "pack sampler + LoRA vs diffusers fp32 merged": cosine(by["pack sampler + LoRA"]["latents"], oracle),
         "pack sampler with vs without LoRA": cosine(

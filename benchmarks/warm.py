@@ -28,7 +28,10 @@ shipped (its Memory Snapshot node included, which only reports unless asked for 
 snapshot's cost is the difference), ``server: pack fast`` (its sampler's fast on), ``server: pack fast +
 step_cache 0.1``, ``server: pack low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded``
 (the basic workflow, every model kept); ``server: pack int8 MODEL, core KSampler`` (the bundled LoRA workflow
-without its LoRA loader); ``server: ComfyUI core fp16``
+without its LoRA loader); ``server: LoRA + KSampler, strength 1`` and ``…, strength 0`` (the bundled LoRA
+workflow as shipped, a random rank-16 LoRA on every attention and feed-forward layer written into the
+server's models/loras); ``server: ComfyUI core fp16 + Batched Guidance`` (core's graph below with the pack's
+patch node before KSampler); ``server: ComfyUI core fp16``
 (core's own graph: CLIPLoader T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage,
 on the single files of the same weights) with the server's defaults and with ``--disable-dynamic-vram``.
 Every server row also records the card's used memory during each prompt (``cudaMemGetInfo``, what NVML
@@ -48,7 +51,21 @@ profiler tables of the third prompt of each configuration.
 
     python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
 
-Writes warm.json and warm.md to --out.
+Writes warm.json and warm.md to --out (``--stem NAME``: NAME.json and NAME.md).
+
+The server rows of issue 27, on the GPU machine (ComfyUI v0.33.0 and its requirements, websocket-client;
+the full-size random model in pixart-full)::
+
+    COMFYUI_EXTRA_ARGS="--disable-api-nodes --front-end-root EMPTY_DIR" python benchmarks/warm.py \
+        --model-dir pixart-full --comfyui ComfyUI --out benchmarks/results --stem warm_server \
+        --only "server: pack defaults, no Memory Snapshot" --only "server: LoRA + KSampler, strength 1" \
+        --only "server: LoRA + KSampler, strength 0" --only "server: ComfyUI core fp16" \
+        --only "server: ComfyUI core fp16 + Batched Guidance"
+
+``--cpu-check`` runs server rows on a CPU server (272², 2 steps; core's graph takes the pack's T5 encode and
+VAE decode there, since CLIPLoader and VAELoader build full-size models) to check that they run, e.g. with
+the smallest model core loads (``build_random_pixart(DIR, "tiny-core")``): the same ``--only`` list with
+``--model-dir DIR --comfyui ComfyUI --out OUT --cpu-check``.
 """
 
 from __future__ import annotations
@@ -82,6 +99,9 @@ PROMPTS = [
     ("a watercolour painting of a snowy mountain village", 4),
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
+LORA_FILE = "random_rank16_lora.safetensors"  # the LoRA rows' LoRA, written into the server's models/loras
+# --cpu-check: the server rows on a CPU server with a small model, at this size and these steps.
+CPU_CHECK = {"width": 272, "height": 272, "steps": 2}
 STEP_CACHE = (0.05, 0.1, 0.2)  # the sampler's step_cache thresholds measured
 
 # PyTorch's expandable segments, as the command line asks for them (core.measure.prefer_expandable_segments).
@@ -150,9 +170,23 @@ CONFIGS: dict[str, dict] = {
         "drop": ("LoraLoaderModelOnly",),
         "sets": ["2.compute=fp8"],
     },
+    # The bundled LoRA workflow as shipped (the int8 MODEL, core's LoraLoaderModelOnly and KSampler) with a
+    # random rank-16 LoRA on every attention and feed-forward layer, at strength 1 and 0.
+    "server: LoRA + KSampler, strength 1": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "lora": 1.0,
+    },
+    "server: LoRA + KSampler, strength 0": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "lora": 0.0,
+    },
     # ComfyUI core's own fp16 PixArt-Σ as its users build it, through the same server (its defaults:
-    # Dynamic VRAM on NVIDIA), and with Dynamic VRAM off.
+    # Dynamic VRAM on NVIDIA), with the pack's Batched Guidance (PixArt-Σ) node before KSampler, and with
+    # Dynamic VRAM off.
     "server: ComfyUI core fp16": {"kind": "server", "core": True},
+    "server: ComfyUI core fp16 + Batched Guidance": {"kind": "server", "core": True, "patch": True},
     "server: ComfyUI core fp16, --disable-dynamic-vram": {
         "kind": "server",
         "core": True,
@@ -364,10 +398,14 @@ def run_core(
     return records, images
 
 
-def core_workflow() -> dict:
+def core_workflow(patch: bool = False, cpu_check: bool = False) -> dict:
     """ComfyUI core's own PixArt-Σ graph (API format): CLIPLoader (T5-XXL fp16, type pixart), two
     CLIPTextEncode, UNETLoader, EmptyLatentImage, KSampler (dpmpp_2m, normal), VAELoader, VAEDecode,
-    SaveImage, on the single files ``comfyui_path.write_models_tree`` writes."""
+    SaveImage, on the single files ``comfyui_path.write_models_tree`` writes; with ``patch`` the pack's
+    Batched Guidance (PixArt-Σ) between UNETLoader and KSampler. ``cpu_check``: the conditioning from the
+    pack's Quantized T5 Encode and the pack's VAE Decode instead (CLIPLoader builds T5-XXL at its full size,
+    4.8 B parameters, and VAELoader the SDXL VAE's widths, whatever the files hold: too large for a CPU check
+    or not the small model's)."""
     import comfyui_path
 
     files, size = comfyui_path.FILES, SETTINGS["width"]
@@ -388,7 +426,28 @@ def core_workflow() -> dict:
         "8": ("VAEDecode", {"samples": ["6", 0], "vae": ["7", 0]}),
         "9": ("SaveImage", {"images": ["8", 0], "filename_prefix": "core"}),
     }
+    if patch:
+        nodes["10"] = ("PixArtQ_BatchedGuidance", {"model": ["4", 0]})
+        nodes["6"][1]["model"] = ["10", 0]
+    if cpu_check:
+        del nodes["1"], nodes["3"]
+        encode = {"model": "pixart-full", "prompt": "", "negative_prompt": "", "quantization": "nf4"}
+        nodes["2"] = ("PixArtQ_T5Encode", encode | {"keep_loaded": False, "low_vram": False})
+        nodes["6"][1].update(positive=["2", 1], negative=["2", 2])
+        del nodes["7"]  # and the pack's decode: VAELoader builds the SDXL VAE's widths, not a small one's
+        decode = {"model": "pixart-full", "latent": ["6", 0], "keep_loaded": False, "tiling": "auto"}
+        nodes["8"] = ("PixArtQ_VAEDecode", decode | {"vae_file": "(from model)"})
     return {key: {"class_type": kind, "inputs": inputs} for key, (kind, inputs) in nodes.items()}
+
+
+def sized_down(workflow: dict) -> dict:
+    """``workflow`` at :data:`SETTINGS`' size and steps (the CPU check's): every width, height and steps
+    input."""
+    for node in workflow.values():
+        for name in ("width", "height", "steps"):
+            if name in node["inputs"] and not isinstance(node["inputs"][name], list):
+                node["inputs"][name] = SETTINGS[name]
+    return workflow
 
 
 def link_core_models(model_dir: Path, base: Path, tree: Path) -> None:
@@ -418,8 +477,8 @@ class DeviceUsed:
     """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
     context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
 
-    def __init__(self):
-        self.peak, self._stop = 0, threading.Event()
+    def __init__(self, enabled: bool = True):
+        self.peak, self._stop, self.enabled = 0, threading.Event(), enabled
 
     def _poll(self) -> None:
         while not self._stop.is_set():
@@ -428,6 +487,8 @@ class DeviceUsed:
             self._stop.wait(0.01)
 
     def __enter__(self):
+        if not self.enabled:
+            self._stop.set()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
         return self
@@ -438,7 +499,7 @@ class DeviceUsed:
 
 
 def run_server(
-    model_dir: Path, comfyui: Path, config: dict, base: Path
+    model_dir: Path, comfyui: Path, config: dict, base: Path, cpu_check: bool = False
 ) -> tuple[list[dict], list[torch.Tensor]]:
     """A workflow through a real server, one prompt at a time (submit to images downloaded): the bundled
     basic workflow unless the configuration names another, or core's own graph; the RSS of the server's whole
@@ -451,7 +512,7 @@ def run_server(
     from pixart_lowvram.cli import client as api
 
     if config.get("core"):
-        workflow, sets = core_workflow(), []
+        workflow, sets = core_workflow(config.get("patch", False), cpu_check), []
         link_core_models(model_dir, base, base.parent / "core_models")
     else:
         name = config.get("workflow", "pixart_lowvram_basic_api.json")
@@ -470,9 +531,23 @@ def run_server(
         sets += config.get("sets", [])
         if config.get("no_snapshot"):
             workflow = without_snapshot(workflow)
+        if "lora" in config:  # a random rank-16 LoRA on every attention and feed-forward layer
+            from pixart_lowvram.cli.random_model import save_random_lora
+
+            save_random_lora(model_dir, base / "models" / "loras" / LORA_FILE, rank=16, scale=0.02)
+            for node in workflow.values():
+                if node["class_type"] == "LoraLoaderModelOnly":
+                    node["inputs"] |= {"lora_name": LORA_FILE, "strength_model": config["lora"]}
+    if cpu_check:
+        workflow = sized_down(workflow)
     records, images = [], []
     with comfy_server.started(
-        comfyui, base, {"pixart-full": model_dir}, sys.executable, extra_args=tuple(config.get("args", ()))
+        comfyui,
+        base,
+        {"pixart-full": model_dir},
+        sys.executable,
+        cpu=cpu_check,
+        extra_args=tuple(config.get("args", ())),
     ) as server:
         client = api.Client(server.url)
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
@@ -484,7 +559,7 @@ def run_server(
                 workflow, sets, prompt=None if config.get("core") else text, seed=seed
             )
             if config.get("core"):
-                prompt["2"]["inputs"]["text"] = text
+                prompt["2"]["inputs"]["text" if "text" in prompt["2"]["inputs"] else "prompt"] = text
             log_start = server.log.stat().st_size
             starts: list[tuple[str | None, float]] = []  # (node, when ComfyUI said it started)
 
@@ -493,10 +568,10 @@ def run_server(
                     starts.append((data.get("node"), time.perf_counter()))
 
             start = time.perf_counter()
-            with DeviceUsed() as used:
+            with DeviceUsed(enabled=not cpu_check) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
-            record["device_used"] = used.peak
+            record["device_used"] = used.peak if not cpu_check else None
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
                 log.seek(log_start)
@@ -572,7 +647,9 @@ def one(name: str, args: argparse.Namespace) -> None:
     else:
         # The server's pack reads the pre-quantized cache the warm-up filled.
         os.environ["PIXART_LOWVRAM_QUANT_CACHE"] = str(work / "quant_cache")
-        records, images = run_server(args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)))
+        records, images = run_server(
+            args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)), args.cpu_check
+        )
     result = {"records": records, "repeat_identical": bool(torch.equal(images[0], images[-1]))}
     Path(args.one_out).write_text(json.dumps(result))
 
@@ -640,7 +717,8 @@ def markdown(meta: dict, results: dict) -> str:
     lines = [
         "# Per prompt, from the first on",
         "",
-        f"{meta['device']}, torch {meta['torch']}, {meta['date']}; 1024², 20 steps, cfg 4.5, batch 1, "
+        f"{meta['device']}, torch {meta['torch']}, {meta['date']}; {SETTINGS['width']}×{SETTINGS['height']}, "
+        f"{SETTINGS['steps']} steps, cfg {SETTINGS['cfg']:g}, batch 1, "
         "full-size architecture with random weights; five prompts with their own text and seed, then the "
         "first again. Ratios: the mean of prompts 2–5 over the anchor's. Later s: the prompt's wall clock (through "
         "a server: submit to image downloaded); stages s: the pack's three stages alone; ComfyUI executed s: "
@@ -725,8 +803,8 @@ def markdown(meta: dict, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, names: list[str], results: dict, work: Path) -> str:
-    """warm.json and warm.md in ``out`` from the configurations measured so far; returns the markdown."""
+def write_results(out: Path, names: list[str], results: dict, work: Path, stem: str = "warm") -> str:
+    """STEM.json and STEM.md in ``out`` from the configurations measured so far; returns the markdown."""
     for name in names:
         reference = CONFIGS[name].get("fidelity_vs")
         done = "fidelity" in results.get(name, {})  # written after every row: compared once
@@ -754,9 +832,9 @@ def write_results(out: Path, names: list[str], results: dict, work: Path) -> str
         "settings": SETTINGS,
         "prompts": PROMPTS,
     }
-    (out / "warm.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     text = markdown(meta, results)
-    (out / "warm.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     return text
 
 
@@ -769,24 +847,35 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("warm"))
     parser.add_argument("--only", action="append", default=[], help="a configuration's name (repeatable)")
     parser.add_argument("--profile", default=None, help="a folder: torch profiler tables of prompt 3")
+    parser.add_argument(
+        "--cpu-check",
+        action="store_true",
+        help="the server rows (--only) on a CPU server, 272², 2 steps: that they run, not their numbers",
+    )
+    parser.add_argument("--stem", default="warm", help="the results' file name: STEM.json and STEM.md")
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model_dir = args.model_dir.resolve()
+    if args.cpu_check:
+        SETTINGS.update(CPU_CHECK)
+        names = [args.one] if args.one else args.only
+        if not names or any(CONFIGS[name]["kind"] != "server" for name in names):
+            parser.error("--cpu-check takes server rows only, named with --only")
     if args.one:
         one(args.one, args)
         return 0
     names = args.only or [
         name for name, c in CONFIGS.items() if c["kind"] not in ("core", "server") or args.comfyui
     ]
-    if ANCHOR not in names:
+    if ANCHOR not in names and not args.cpu_check:
         names.insert(0, ANCHOR)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="warm-"))
     results: dict = {}
     # The pre-quantized cache is filled first, so every pack row's first prompt reads it warm.
-    if any(CONFIGS[name]["kind"] in ("pack", "server") for name in names):
+    if any(CONFIGS[name]["kind"] in ("pack", "server") for name in names) and not args.cpu_check:
         names = [WARM_UP, *names]
     for name in names:
         one_out = work / "one.json"
@@ -797,6 +886,8 @@ def main() -> int:
             command += ["--profile", str(Path(args.profile).resolve())]
         if args.comfyui:
             command += ["--comfyui", str(args.comfyui)]
+        if args.cpu_check:
+            command += ["--cpu-check"]
         started = time.perf_counter()
         env = os.environ | CONFIGS[name].get("env", {})
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -809,8 +900,9 @@ def main() -> int:
             results[name] = json.loads(one_out.read_text())
         one_out.unlink()
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-        write_results(args.out, names, results, work)  # after each: a run cut short keeps what it measured
-    print(write_results(args.out, names, results, work))
+        # after each: a run cut short keeps what it measured
+        write_results(args.out, names, results, work, args.stem)
+    print(write_results(args.out, names, results, work, args.stem))
     return 0
 
 

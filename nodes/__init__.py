@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
+from .batched_guidance import PixArtBatchedGuidance
 from .free_vram import FreeVRAM
 from .memory_snapshot import MemorySnapshot
 from .model_loader import PixArtInt8ModelLoader, PixArtLoRA
@@ -19,6 +20,7 @@ NODES: list[type[io.ComfyNode]] = [
     MemorySnapshot,
     PixArtInt8ModelLoader,
     PixArtLoRA,
+    PixArtBatchedGuidance,
 ]
 
 

@@ -29,7 +29,7 @@ import comfy.model_patcher
 import comfy.ops
 import comfy.utils
 import torch
-from comfy.patcher_extension import CallbacksMP
+from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ..core import estimates, measure
 from ..core import sampler as sampler_stage
@@ -37,6 +37,7 @@ from ..core.quant import compute as compute_paths
 from ..core.quant import quanto
 from ..core.sampler import SamplerSettings, quantized_transformer
 from ..core.single_files import CAPTION_TOKENS
+from . import batched_guidance
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +200,21 @@ def comfy_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch
     }
 
 
-def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
+def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model_patcher.ModelPatcher:
     """The transformer of ``settings`` (its model folder or file, scheme and quantized cache) as a ComfyUI
-    MODEL holding its quantized weights."""
+    MODEL holding its quantized weights, batching its guidance (:mod:`.batched_guidance`) and refusing images
+    too small for ComfyUI's PixArt before sampling (:func:`refuse_small`).
+
+    A plain ``ModelPatcher``, also where Dynamic VRAM makes ``CoreModelPatcher`` its own (v0.33): Dynamic
+    VRAM streams ComfyUI's cast operations only, and loads every other layer whole from the backups it keeps
+    in host memory on each load — every sampling run, since a dynamic model is prepared anew each time — so
+    under it the pack's int8 buffers were copied to the device again on every prompt. A plain patcher leaves
+    a loaded MODEL loaded. (``disable_dynamic``, which ComfyUI's ``clone`` passes to a loader's factory,
+    changes nothing here for that reason.)
+
+    The patcher's ``cached_patcher_init`` is this function with ``settings``, as ComfyUI's own loaders set
+    theirs: ComfyUI's ``deepclone_multigpu`` (MultiGPU CFG Split) builds a fresh MODEL for another device
+    from it."""
     transformer = quantized_transformer(settings)
     state = {key: tensor.detach() for key, tensor in transformer.state_dict().items()}
     config = unet_config(settings.config, state)
@@ -229,9 +242,10 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
     model.load_model_weights(state, "")
     blocks = model.diffusion_model.blocks
     quanto.set_compute(blocks, settings.compute)
-    patcher = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)(
-        model, load_device=load_device, offload_device=offload_device
-    )
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    patcher.cached_patcher_init = (load, (settings,))
+    batched_guidance.apply(patcher)
+    patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
     if settings.compiled and load_device.type == "cuda":
         # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
         # sampler compiles them: compiled at the first step, on whichever device the blocks then are.
@@ -253,6 +267,26 @@ def load(settings: SamplerSettings) -> comfy.model_patcher.ModelPatcher:
         sum(isinstance(m, quanto.ScaledWeightLinear) for m in model.modules()),
     )
     return patcher
+
+
+# ComfyUI's PixArt places its position embedding with ``base_size = round(side / 64) * 64 // patch_size``
+# (``side``: the latent's mean side), 0 (a division by zero) up to a mean side of 32 latent pixels.
+SMALLEST_MEAN_SIDE = 33
+LATENT_PIXELS = 8  # image pixels per latent pixel (the SDXL VAE)
+
+
+def refuse_small(executor, noise, latent_image, *args, **kwargs):
+    """``OUTER_SAMPLE`` wrapper: a latent too small for ComfyUI's PixArt refused before sampling."""
+    height, width = latent_image.shape[-2:]
+    if (height + width) // 2 < SMALLEST_MEAN_SIDE:
+        smallest = SMALLEST_MEAN_SIDE * LATENT_PIXELS
+        square = -(-smallest // 16) * 16  # the smallest square with even latent sides
+        raise ValueError(
+            f"latent_image: {width * LATENT_PIXELS}×{height * LATENT_PIXELS} is too small for ComfyUI's PixArt-Σ "
+            f"(the mean of width and height must be at least {smallest} px); make it at least {square}×{square}, "
+            "or use the Quanto PixArt Sampler, which makes smaller images."
+        )
+    return executor(noise, latent_image, *args, **kwargs)
 
 
 class _Run:

@@ -38,6 +38,7 @@ NODE_IDS = (
     "PixArtQ_MemorySnapshot",
     "PixArtQ_ModelLoader",
     "PixArtQ_LoRA",
+    "PixArtQ_BatchedGuidance",
 )
 MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"

@@ -34,6 +34,7 @@ NODE_IDS = {
     "PixArtQ_MemorySnapshot",
     "PixArtQ_ModelLoader",
     "PixArtQ_LoRA",
+    "PixArtQ_BatchedGuidance",
 }
 
 

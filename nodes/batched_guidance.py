@@ -1,0 +1,135 @@
+"""Classifier-free guidance in one forward for PixArt-Σ under ComfyUI's samplers (KSampler and the rest).
+
+ComfyUI runs the prompt and the negative prompt in one batch only when their conditioning concatenates:
+PixArt's ``c_crossattn`` is a ``comfy.conds.CONDRegular``, which concatenates equal shapes only, and PixArt's
+conditioning is not padded (a prompt is as many tokens as it has, an empty negative one), so every step runs
+two batch-1 forwards. diffusers pads both texts to 300 tokens and masks the padding out of the
+cross-attention; ComfyUI's PixArt (``comfy/ldm/pixart``, the same code in v0.3.64, v0.8.0 and v0.33.0) takes
+no mask: ``PixArtMS.forward`` passes none (nor ``transformer_options``) on, ``MultiHeadCrossAttention``
+asserts ``mask is None`` and calls ``optimized_attention`` without ``transformer_options``, so neither a
+mask nor ``optimized_attention_override`` reaches its attention in any of these versions.
+
+What is equivalent without a mask is ComfyUI's own padding for cross-attention, ``comfy.conds.CONDCrossAttn``:
+each conditioning repeated to the least common multiple of their lengths. Attention over a sequence repeated
+r times is attention over the sequence (each key's weight is divided by r and its value counted r times), so
+the result is the two passes' up to rounding — unlike padding with zeros, whose keys would take part in the
+softmax. ``CONDCrossAttn`` refuses padding beyond 4× the shorter length, which leaves out the common case (an
+empty negative prompt is one token); :class:`PaddedCrossAttn` allows a common length up to the longer
+conditioning or :data:`MAX_PADDED_TOKENS` (the 300 tokens diffusers gives each), and concatenates as
+``CONDCrossAttn`` does. Lengths whose common multiple is longer (e.g. 299 and 300) stay two passes.
+
+The hook is ``model_options["sampler_calc_cond_batch_function"]`` (``ModelPatcher.
+set_model_sampler_calc_cond_batch_function``, in every version): :class:`BatchedGuidance` swaps each
+conditioning's ``c_crossattn`` for a :class:`PaddedCrossAttn` holding the same tensor and hands the conds to
+ComfyUI's own ``comfy.samplers.calc_cond_batch`` (or to the function set before it), which batches them as
+it batches any conds, by its free-memory rule. The pack's int8 MODEL carries it from its loader on; the
+Batched Guidance (PixArt-Σ) node sets it on a clone of any PixArt-Σ MODEL, ComfyUI's own included."""
+
+from __future__ import annotations
+
+import math
+
+import comfy.conds
+import comfy.model_base
+import comfy.samplers
+from comfy_api.latest import io
+
+from ..core.single_files import CAPTION_TOKENS
+from . import common
+
+CROSS_ATTN = "c_crossattn"
+# The longest common length the conditionings are repeated to (unless the longer one is longer itself).
+MAX_PADDED_TOKENS = CAPTION_TOKENS
+
+
+def padded_length(first: int, second: int) -> int | None:
+    """The length two conditionings of ``first`` and ``second`` tokens are repeated to for one batch, or
+    None where that is longer than the longer one and :data:`MAX_PADDED_TOKENS`."""
+    common_length = math.lcm(first, second)
+    return common_length if common_length <= max(first, second, MAX_PADDED_TOKENS) else None
+
+
+class PaddedCrossAttn(comfy.conds.CONDCrossAttn):
+    """PixArt's cross-attention conditioning as ``CONDCrossAttn`` (repeated to a common length when
+    concatenated) with :func:`padded_length`'s bound instead of its 4×."""
+
+    def can_concat(self, other) -> bool:
+        mine, theirs = self.cond.shape, other.cond.shape
+        if mine == theirs:
+            return comfy.conds.CONDRegular.can_concat(self, other)
+        if not isinstance(other, comfy.conds.CONDCrossAttn) or mine[0] != theirs[0] or mine[2:] != theirs[2:]:
+            return False
+        return self.cond.device == other.cond.device and padded_length(mine[1], theirs[1]) is not None
+
+
+def _padded(cond: dict) -> dict:
+    """A sampler conditioning (``model_conds`` and the rest) whose cross-attention batches by padding."""
+    model_conds = cond.get("model_conds", {})
+    cross = model_conds.get(CROSS_ATTN)
+    if type(cross) is not comfy.conds.CONDRegular:  # already padded, or not PixArt's
+        return cond
+    return {**cond, "model_conds": {**model_conds, CROSS_ATTN: PaddedCrossAttn(cross.cond)}}
+
+
+class BatchedGuidance:
+    """``sampler_calc_cond_batch_function``: the conds with :class:`PaddedCrossAttn` cross-attention, to
+    ``previous`` (a function set before this one) or ComfyUI's ``calc_cond_batch``."""
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    def __call__(self, args: dict) -> list:
+        conds = [None if cond is None else [_padded(c) for c in cond] for cond in args["conds"]]
+        if self.previous is not None:
+            return self.previous({**args, "conds": conds})
+        return comfy.samplers.calc_cond_batch(
+            args["model"], conds, args["input"], args["sigma"], args["model_options"]
+        )
+
+
+KEY = "sampler_calc_cond_batch_function"
+
+
+def applied(patcher) -> bool:
+    return isinstance(patcher.model_options.get(KEY), BatchedGuidance)
+
+
+def apply(patcher) -> None:
+    """Set :class:`BatchedGuidance` on ``patcher`` (once; a function set before it is kept behind it)."""
+    if not applied(patcher):
+        patcher.set_model_sampler_calc_cond_batch_function(BatchedGuidance(patcher.model_options.get(KEY)))
+
+
+def is_pixart(patcher) -> bool:
+    return isinstance(getattr(patcher, "model", None), comfy.model_base.PixArt)
+
+
+class PixArtBatchedGuidance(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PixArtQ_BatchedGuidance",
+            display_name="Batched Guidance (PixArt-Σ)",
+            category=common.CATEGORY,
+            description="Runs the prompt and the negative prompt of a PixArt-Σ MODEL in one forward per step "
+            "under KSampler (and ComfyUI's other samplers), whatever their token lengths: both are repeated "
+            "to a common length, as ComfyUI pads cross-attention for other models, which gives the two "
+            "passes' result. For any PixArt-Σ MODEL, ComfyUI's own (Load Diffusion Model) included; the "
+            "PixArt-Σ int8 Model Loader's MODEL has it already.",
+            inputs=[io.Model.Input("model", tooltip="A PixArt-Σ MODEL.")],
+            outputs=[io.Model.Output(tooltip="The same MODEL, batching its guidance.")],
+        )
+
+    @classmethod
+    def execute(cls, model) -> io.NodeOutput:
+        if not is_pixart(model):
+            kind = type(getattr(model, "model", model)).__name__
+            raise ValueError(
+                f"model: Batched Guidance (PixArt-Σ) takes a PixArt-Σ MODEL, not a {kind}; connect it to "
+                "a PixArt-Σ loader's MODEL."
+            )
+        if applied(model):
+            return io.NodeOutput(model)
+        patched = model.clone()
+        apply(patched)
+        return io.NodeOutput(patched)
