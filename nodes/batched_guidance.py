@@ -35,7 +35,7 @@ import comfy.samplers
 from comfy_api.latest import io
 
 from ..core.single_files import CAPTION_TOKENS
-from . import common
+from . import common, schedule
 
 CROSS_ATTN = "c_crossattn"
 # The longest common length the conditionings are repeated to (unless the longer one is longer itself).
@@ -91,13 +91,15 @@ KEY = "sampler_calc_cond_batch_function"
 
 
 def applied(patcher) -> bool:
-    return isinstance(patcher.model_options.get(KEY), BatchedGuidance)
+    return isinstance(patcher.model_options.get(KEY), BatchedGuidance) and schedule.applied(patcher)
 
 
 def apply(patcher) -> None:
-    """Set :class:`BatchedGuidance` on ``patcher`` (once; a function set before it is kept behind it)."""
-    if not applied(patcher):
+    """Set :class:`BatchedGuidance` on ``patcher`` (once; a function set before it is kept behind it), and
+    its noise schedule on the CPU (:mod:`.schedule`), so that a prompt repeats its image."""
+    if not isinstance(patcher.model_options.get(KEY), BatchedGuidance):
         patcher.set_model_sampler_calc_cond_batch_function(BatchedGuidance(patcher.model_options.get(KEY)))
+    schedule.apply(patcher)
 
 
 def is_pixart(patcher) -> bool:
@@ -114,7 +116,8 @@ class PixArtBatchedGuidance(io.ComfyNode):
             description="Runs the prompt and the negative prompt of a PixArt-Σ MODEL in one forward per step "
             "under KSampler (and ComfyUI's other samplers), whatever their token lengths: both are repeated "
             "to a common length, as ComfyUI pads cross-attention for other models, which gives the two "
-            "passes' result. For any PixArt-Σ MODEL, ComfyUI's own (Load Diffusion Model) included; the "
+            "passes' result, and computes the noise schedule on the CPU wherever the model lies, so the same "
+            "prompt and seed give the same image every time. For any PixArt-Σ MODEL, ComfyUI's own (Load Diffusion Model) included; the "
             "PixArt-Σ int8 Model Loader's MODEL has it already.",
             inputs=[io.Model.Input("model", tooltip="A PixArt-Σ MODEL.")],
             outputs=[io.Model.Output(tooltip="The same MODEL, batching its guidance.")],

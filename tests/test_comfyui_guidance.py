@@ -258,3 +258,44 @@ def test_multigpu_deep_clone_builds_a_fresh_model_that_computes_the_same(comfy, 
     # The node itself: on a CPU-only machine there is no other device to copy to, and the MODEL passes.
     split = comfy.multigpu.create_multigpu_deepclones(pack_model, 2, reuse_loaded=True)
     assert batched_guidance.applied(split)
+
+
+def test_the_schedule_stays_on_the_cpu_wherever_the_model_moves(comfy, core_model):
+    """KSampler computes its sigmas before the model loads: the patch's tables are the CPU's own values and
+    are not buffers, so moving the model (here to the meta device) leaves them where they are, while
+    ComfyUI's own move with the model."""
+    import comfy.samplers
+
+    from pixart_lowvram.nodes import schedule
+    from pixart_lowvram.nodes.batched_guidance import PixArtBatchedGuidance
+
+    patched = PixArtBatchedGuidance.execute(core_model).result[0]
+    original = core_model.get_model_object("model_sampling")
+    stable = patched.get_model_object("model_sampling")
+    assert schedule.applied(patched) and not schedule.applied(core_model)
+    assert isinstance(stable, type(original)) and stable is not original
+    assert torch.equal(stable.log_sigmas, original.log_sigmas) and stable.sigmas.device.type == "cpu"
+    assert "sigmas" not in dict(stable.named_buffers()) and "log_sigmas" not in stable.state_dict()
+    for scheduler in ("normal", "karras", "simple", "sgm_uniform"):
+        assert torch.equal(
+            comfy.samplers.calculate_sigmas(stable, scheduler, 20),
+            comfy.samplers.calculate_sigmas(original, scheduler, 20),
+        ), scheduler
+    holder = torch.nn.Module()
+    holder.model_sampling, holder.original = stable, schedule.copy.deepcopy(original)
+    holder.to(torch.device("meta"))
+    assert holder.original.sigmas.device.type == "meta"
+    assert stable.sigmas.device.type == stable.log_sigmas.device.type == "cpu"
+
+
+def test_the_schedule_patch_samples_what_comfyui_samples(comfy, pack_model):
+    """On the CPU, ComfyUI's tables and the patch's are the same numbers on the same device: the same bits."""
+    from pixart_lowvram.nodes import schedule
+
+    assert schedule.applied(pack_model)
+    plain = pack_model.clone()
+    plain.object_patches.pop(schedule.NAME)
+    assert not schedule.applied(plain)
+    latents, _ = sample(comfy, pack_model)
+    reference, _ = sample(comfy, plain)
+    assert torch.equal(latents, reference)
