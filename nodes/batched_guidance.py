@@ -35,7 +35,7 @@ import comfy.samplers
 from comfy_api.latest import io
 
 from ..core.single_files import CAPTION_TOKENS
-from . import common, schedule
+from . import common, repeatable
 
 CROSS_ATTN = "c_crossattn"
 # The longest common length the conditionings are repeated to (unless the longer one is longer itself).
@@ -91,15 +91,15 @@ KEY = "sampler_calc_cond_batch_function"
 
 
 def applied(patcher) -> bool:
-    return isinstance(patcher.model_options.get(KEY), BatchedGuidance) and schedule.applied(patcher)
+    return isinstance(patcher.model_options.get(KEY), BatchedGuidance) and repeatable.applied(patcher)
 
 
 def apply(patcher) -> None:
     """Set :class:`BatchedGuidance` on ``patcher`` (once; a function set before it is kept behind it), and
-    its noise schedule on the CPU (:mod:`.schedule`), so that a prompt repeats its image."""
+    what makes a prompt repeat its image (:mod:`.repeatable`)."""
     if not isinstance(patcher.model_options.get(KEY), BatchedGuidance):
         patcher.set_model_sampler_calc_cond_batch_function(BatchedGuidance(patcher.model_options.get(KEY)))
-    schedule.apply(patcher)
+    repeatable.apply(patcher)
 
 
 def is_pixart(patcher) -> bool:

@@ -266,13 +266,13 @@ def test_the_schedule_stays_on_the_cpu_wherever_the_model_moves(comfy, core_mode
     ComfyUI's own move with the model."""
     import comfy.samplers
 
-    from pixart_lowvram.nodes import schedule
+    from pixart_lowvram.nodes import repeatable
     from pixart_lowvram.nodes.batched_guidance import PixArtBatchedGuidance
 
     patched = PixArtBatchedGuidance.execute(core_model).result[0]
     original = core_model.get_model_object("model_sampling")
     stable = patched.get_model_object("model_sampling")
-    assert schedule.applied(patched) and not schedule.applied(core_model)
+    assert repeatable.applied(patched) and not repeatable.applied(core_model)
     assert isinstance(stable, type(original)) and stable is not original
     assert torch.equal(stable.log_sigmas, original.log_sigmas) and stable.sigmas.device.type == "cpu"
     assert "sigmas" not in dict(stable.named_buffers()) and "log_sigmas" not in stable.state_dict()
@@ -282,20 +282,48 @@ def test_the_schedule_stays_on_the_cpu_wherever_the_model_moves(comfy, core_mode
             comfy.samplers.calculate_sigmas(original, scheduler, 20),
         ), scheduler
     holder = torch.nn.Module()
-    holder.model_sampling, holder.original = stable, schedule.copy.deepcopy(original)
+    holder.model_sampling, holder.original = stable, repeatable.copy.deepcopy(original)
     holder.to(torch.device("meta"))
     assert holder.original.sigmas.device.type == "meta"
     assert stable.sigmas.device.type == stable.log_sigmas.device.type == "cpu"
+    # A buffer registered under a table's name (ComfyUI's set_sigmas; Dynamic VRAM restoring its backups
+    # through the object patch) is taken as the table, on the CPU.
+    stable.register_buffer("sigmas", original.sigmas.clone(), persistent=False)
+    assert "sigmas" not in dict(stable.named_buffers()) and torch.equal(stable.sigmas, original.sigmas)
 
 
 def test_the_schedule_patch_samples_what_comfyui_samples(comfy, pack_model):
     """On the CPU, ComfyUI's tables and the patch's are the same numbers on the same device: the same bits."""
-    from pixart_lowvram.nodes import schedule
+    from pixart_lowvram.nodes import repeatable
 
-    assert schedule.applied(pack_model)
+    assert repeatable.applied(pack_model)
     plain = pack_model.clone()
-    plain.object_patches.pop(schedule.NAME)
-    assert not schedule.applied(plain)
+    plain.object_patches.pop(repeatable.NAME)
+    assert not repeatable.applied(plain)
     latents, _ = sample(comfy, pack_model)
     reference, _ = sample(comfy, plain)
     assert torch.equal(latents, reference)
+
+
+def test_the_attention_kernel_is_settled_once_per_device_before_the_first_step(
+    comfy, pack_model, monkeypatch
+):
+    """Before a run, one call of ComfyUI's own attention function on the MODEL's device (large enough for
+    ComfyUI to apply its backend order), once per process and device; none on the CPU."""
+    import comfy.ops
+
+    from pixart_lowvram.nodes import repeatable
+
+    calls = []
+    monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", lambda q, k, v: calls.append(q))
+    monkeypatch.setattr(repeatable, "_settled", set())
+    assert repeatable.settle_attention in pack_model.get_all_callbacks("on_pre_run")
+
+    class OnMeta:
+        load_device = torch.device("meta")
+
+    repeatable.settle_attention(pack_model)  # the CPU
+    assert calls == []
+    repeatable.settle_attention(OnMeta())
+    repeatable.settle_attention(OnMeta())
+    assert len(calls) == 1 and calls[0].device.type == "meta" and calls[0].nelement() >= 1024 * 128
