@@ -44,12 +44,17 @@ DROP = """([name, text]) => {
     canvas.dispatchEvent(new DragEvent(type, {bubbles: true, cancelable: true, dataTransfer: transfer, ...at}));
   }
 }"""
+# Where the page reports a load's problems (missing nodes, missing models, an invalid workflow): a modal
+# dialog up to frontend 1.3x (ComfyUI 0.8); from 1.4x (ComfyUI 0.33) a missing node is no dialog but the
+# error overlay in the canvas's corner ("Missing node: NAME", a "View details" button to the errors panel).
+REPORTS = ".p-dialog, [data-testid='error-overlay']"
 # What the page holds once a workflow is loaded: the graph as the frontend saves it, the prompt it would
-# queue, open dialogs, nodes it marks as broken, and whether each node's box fits its widgets.
-STATE = """async () => {
+# queue, the reports it shows (REPORTS), nodes it marks as broken, and whether each node's box fits its
+# widgets.
+STATE = """async (reports) => {
   const graph = app.graph.serialize();
   const prompt = (await app.graphToPrompt()).output;
-  const dialogs = [...document.querySelectorAll('.p-dialog')].map(d => d.innerText.slice(0, 500));
+  const dialogs = [...document.querySelectorAll(reports)].map(d => d.innerText.slice(0, 500));
   const broken = app.graph.nodes.filter(n => n.has_errors).map(n => n.type);
   const cramped = app.graph.nodes.filter(n => !n.isVirtualNode && n.size[1] + 1 < n.computeSize()[1])
     .map(n => [n.id, n.size, n.computeSize()]);
@@ -67,6 +72,18 @@ TINY = """([model, size, steps, latentSize]) => {
     }
   }
 }"""
+# The settings of a user who has opened the page before, stored on the server before the page loads.
+RETURNING_USER = {
+    # A new user's first visit opens the templates browser; this one has seen it.
+    "Comfy.TutorialCompleted": True,
+    # The canvas navigation every frontend defaults to, stored. Frontend 1.27 (ComfyUI 0.3.64), as it
+    # registers Comfy.Canvas.NavigationMode at start, sets the two settings that mode implies before they
+    # are registered, and throws "Cannot read properties of undefined (reading 'id')" on every page load
+    # where they are not stored yet (later frontends skip that at registration); stored, nothing is set.
+    "Comfy.Canvas.NavigationMode": "legacy",
+    "Comfy.Canvas.LeftMouseClickBehavior": "panning",
+    "Comfy.Canvas.MouseWheelScroll": "zoom",
+}
 # ComfyUI's PixArt divides by zero below about 320 px (tests/test_comfyui_model.py): core's KSampler runs
 # the tiny model at this size.
 KSAMPLER_SIZE = 320
@@ -98,8 +115,7 @@ def page(browser, server):
     opened = context.new_page()
     opened.errors = []
     opened.on("pageerror", lambda error: opened.errors.append(str(error)))
-    # A new user's first visit opens the templates browser; this one has seen it.
-    requests.post(server.url + "/settings/Comfy.TutorialCompleted", json=True, timeout=HTTP_TIMEOUT)
+    requests.post(server.url + "/settings", json=RETURNING_USER, timeout=HTTP_TIMEOUT).raise_for_status()
     opened.goto(server.url, timeout=PAGE_TIMEOUT)
     opened.wait_for_function(
         "window.app && app.graph && app.canvasEl && 'PixArtQ_Sampler' in LiteGraph.registered_node_types",
@@ -113,7 +129,7 @@ def drop(page, name: str, workflow: dict) -> dict:
     page.evaluate(DROP, [name, json.dumps(workflow)])
     page.wait_for_function(f"app.graph.nodes.length === {len(workflow['nodes'])}", timeout=PAGE_TIMEOUT)
     page.wait_for_timeout(500)  # let a dialog the load may open appear
-    return page.evaluate(STATE)
+    return page.evaluate(STATE, REPORTS)
 
 
 def graph_of(prompt: dict) -> dict:
@@ -124,7 +140,7 @@ def graph_of(prompt: dict) -> dict:
 def test_dropped_workflow_loads_and_becomes_the_api_prompt(page, path):
     workflow = read(path)
     state = drop(page, path.name, workflow)
-    assert state["dialogs"] == [], "no dialog (missing nodes, invalid workflow) opened"
+    assert state["dialogs"] == [], "no dialog or error overlay (missing nodes, invalid workflow) opened"
     assert state["broken"] == []
     assert state["cramped"] == [], "every node is tall enough for its widgets"
     loaded = {node["id"]: node for node in state["graph"]["nodes"]}
@@ -140,11 +156,17 @@ def test_dropped_workflow_loads_and_becomes_the_api_prompt(page, path):
 
 
 def test_a_missing_node_is_reported_by_the_page(page):
-    """The check above can fail: a workflow naming a node type the server lacks opens the dialog."""
+    """The check above can fail: a workflow naming a node type the server lacks opens the dialog (the error
+    overlay in newer frontends), in the time drop() gives it."""
     workflow = read(UI_FILES[0])
     workflow["nodes"][-1] = {**workflow["nodes"][-1], "type": "NoSuchNode"}
     state = drop(page, "broken.json", workflow)
-    assert any("missing nodes" in dialog and "NoSuchNode" in dialog for dialog in state["dialogs"])
+    # "Some Nodes Are Missing" (frontend 1.27), "This workflow has missing nodes" (1.35), "Missing node:
+    # NoSuchNode" (1.49)
+    reported = [
+        dialog for dialog in state["dialogs"] if "missing" in dialog.lower() and "NoSuchNode" in dialog
+    ]
+    assert reported, state["dialogs"]
     assert state["broken"] == ["NoSuchNode"]
 
 
