@@ -191,6 +191,7 @@ def main() -> None:
     from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
     from pixart_lowvram.core import conditioning, lora, sampler
     from pixart_lowvram.core.models import resolve_model
+    from pixart_lowvram.core.transformer import quantized_transformer
 
     if not (args.model_dir / "model_index.json").is_file():
         build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
@@ -213,7 +214,7 @@ def main() -> None:
     rows = []
 
     with_lora = dataclasses.replace(settings, loras=(lora.LoraSpec(lora_path, 1.0),))
-    sampler.quantized_transformer(settings)  # the pre-quantized cache, written once: not timed
+    quantized_transformer(settings)  # the pre-quantized cache, written once: not timed
     rows.append(
         measure(
             "pack sampler",

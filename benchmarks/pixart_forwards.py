@@ -93,6 +93,7 @@ def main() -> None:
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.models import resolve_model
     from pixart_lowvram.core.quant import quanto
+    from pixart_lowvram.core.transformer import quantized_transformer
 
     device = torch.device("cuda")
     settings = sampler.SamplerSettings(
@@ -111,7 +112,7 @@ def main() -> None:
     context = (torch.randn(2, TOKENS, settings.caption_channels, generator=g) * 0.2).to(device, torch.float16)
     rows = []
 
-    transformer = sampler.quantized_transformer(settings).to(device)
+    transformer = quantized_transformer(settings).to(device)
     quanto.hold_dense(transformer, device)
     padded = torch.zeros(2, 300, settings.caption_channels, device=device, dtype=torch.float16)
     padded[:, :TOKENS] = context

@@ -35,8 +35,9 @@ from ..core import estimates, measure
 from ..core import sampler as sampler_stage
 from ..core.quant import compute as compute_paths
 from ..core.quant import quanto
-from ..core.sampler import SamplerSettings, quantized_transformer
+from ..core.sampler import SamplerSettings
 from ..core.single_files import CAPTION_TOKENS
+from ..core.transformer import quantized_transformer
 from . import batched_guidance
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pixart_lowvram.cli.random_model import save_random_lora
 from pixart_lowvram.core import lora, sampler
 from pixart_lowvram.core.quant import compute, quanto
+from pixart_lowvram.core.transformer import quantized_transformer
 
 FP32 = {"device": "cpu", "precision": torch.float32}
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 5}
@@ -209,7 +210,7 @@ def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it
 def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp_path):
     settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute="fp8")
     model = sampler.prepare(
-        sampler.quantized_transformer(settings), settings.scheme, torch.device("cpu"), compute="fp8"
+        quantized_transformer(settings), settings.scheme, torch.device("cpu"), compute="fp8"
     )
     layer = model.get_submodule("transformer_blocks.0.attn1.to_q")
     stored = layer.weight.clone()

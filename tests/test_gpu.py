@@ -14,7 +14,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import measure, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, sampler, text_encoder, transformer, vae
 from pixart_lowvram.core.pool import cache
 
 pytestmark = pytest.mark.gpu
@@ -268,7 +268,9 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
     scheme = TRANSFORMER_SCHEMES[quantization]
 
     def quantized_model():
-        return scheme.after_load(sampler._read(settings, tiny.folder(["transformer"]) / "transformer")).eval()
+        return scheme.after_load(
+            transformer.read(settings, tiny.folder(["transformer"]) / "transformer")
+        ).eval()
 
     # Two reads of the same weights (quanto's tensors cannot be deep-copied). The plain layers are made on
     # the CPU, as the sampler makes them (quanto may hold its CUDA weights in other, packed tensor types);

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from pixart_lowvram.cli.random_model import LORA_FORMATS, LORA_LAYERS, save_random_lora
 from pixart_lowvram.core import lora, sampler, text_encoder
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_weights
+from pixart_lowvram.core.transformer import quantized_transformer
 
 SIZE = 64
 FP32 = {"device": "cpu", "precision": torch.float32}
@@ -27,7 +28,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def quantized(tiny):
-    return sampler.quantized_transformer(sampler.SamplerSettings(tiny, quantization="qint8", **FP32))
+    return quantized_transformer(sampler.SamplerSettings(tiny, quantization="qint8", **FP32))
 
 
 def lora_file(tiny_folder, tmp_path, form="peft", seed=0, **kwargs):
