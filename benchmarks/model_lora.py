@@ -102,6 +102,29 @@ def random_embeds(seed: int, width: int):
     return PixArtEmbeds(prompt, mask, negative, negative_mask, "random", "none", torch.float16)
 
 
+def ksample(comfy, model, seed: int, embeds, latent, steps: int, cfg: float, **extra) -> torch.Tensor:
+    """KSampler's sampling as its node runs it (``comfy.sample.sample``: dpmpp_2m, normal, full denoise) of
+    ``embeds`` (the pack's PixArt embeddings, as core's conditioning) from ``seed``'s noise."""
+    from pixart_lowvram.core import conditioning
+
+    positive, negative = conditioning.core_conditioning(embeds)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(
+        model,
+        noise,
+        steps,
+        cfg,
+        "dpmpp_2m",
+        "normal",
+        positive,
+        negative,
+        latent,
+        denoise=1.0,
+        seed=seed,
+        **extra,
+    )
+
+
 def measure(name: str, run, prompts: int) -> dict:
     """Run ``run(i)`` for prompts 0..N-1: seconds and peak allocated of each, its last output kept."""
     seconds, peaks, out = [], [], None
@@ -189,7 +212,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.float32
     from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
-    from pixart_lowvram.core import conditioning, lora, sampler
+    from pixart_lowvram.core import lora, sampler
     from pixart_lowvram.core.models import resolve_model
     from pixart_lowvram.core.transformer import quantized_transformer
 
@@ -244,21 +267,7 @@ def main() -> None:
         latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
 
         def run(i):
-            positive, negative = conditioning.core_conditioning(embeds[i])
-            noise = comfy.sample.prepare_noise(latent, seed(i))
-            return comfy.sample.sample(
-                model,
-                noise,
-                args.steps,
-                cfg,
-                "dpmpp_2m",
-                "normal",
-                positive,
-                negative,
-                latent,
-                denoise=1.0,
-                seed=seed(i),
-            )
+            return ksample(comfy, model, seed(i), embeds[i], latent, args.steps, cfg)
 
         return run
 

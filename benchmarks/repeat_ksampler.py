@@ -36,7 +36,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import comfy_modules, random_embeds  # noqa: E402
+from model_lora import comfy_modules, ksample, random_embeds  # noqa: E402
 from profile_ksampler import digest  # noqa: E402
 
 CONFIGS = ("pack MODEL", "pack MODEL, two passes", "core fp16", "core fp16 + Batched Guidance")
@@ -189,7 +189,6 @@ def first_difference(one: list[dict], other: list[dict]) -> dict:
 
 
 def run_config(name, model, comfy, args, embeds) -> dict:
-    from pixart_lowvram.core import conditioning
 
     model = model.clone()
     recorder = Recorder(model.model.diffusion_model)
@@ -202,23 +201,9 @@ def run_config(name, model, comfy, args, embeds) -> dict:
     if args.preload:
         comfy.model_management.load_models_gpu([model])
     for index, which in enumerate(ORDER):
-        positive, negative = conditioning.core_conditioning(embeds[which])
-        noise = comfy.sample.prepare_noise(latent, 1000 + which)
         recorder.active = which == 0
         free.append(comfy.model_management.get_free_memory(device))
-        latents = comfy.sample.sample(
-            model,
-            noise,
-            args.steps,
-            args.cfg,
-            "dpmpp_2m",
-            "normal",
-            positive,
-            negative,
-            latent,
-            denoise=1.0,
-            seed=1000 + which,
-        )
+        latents = ksample(comfy, model, 1000 + which, embeds[which], latent, args.steps, args.cfg)
         if which == 0:
             runs.append(recorder.take())
             finals.append(latents.float().cpu())
