@@ -1,6 +1,7 @@
 """One PixArt-Σ forward at batch 2 (a guidance batch, 1024², the conditioning 24 tokens long), the same
-quantized weights held expanded, three ways: ComfyUI's PixArt (the pack's int8 MODEL's diffusion model,
-called as KSampler calls it), the same with ComfyUI's attention backend order put cuDNN first, and
+quantized weights held expanded, four ways: the pack's int8 MODEL as KSampler calls it (diffusers' blocks
+over the MODEL's layers, its forward since 2026-12-03), ComfyUI's PixArt forward on the same MODEL, the same
+with ComfyUI's attention backend order put cuDNN first, and
 diffusers' transformer (the Quanto PixArt Sampler's, called as its pipeline calls it, the conditioning
 padded to 300 tokens and masked). Each: wall time per forward (synchronized, after warm-up), CUDA time
 per forward from torch's profiler, split into attention, matrix products and the rest, and the top
@@ -144,6 +145,12 @@ def main() -> None:
         with torch.no_grad():
             return model.apply_model(x, sigma, c_crossattn=context)
 
+    # The MODEL's own forward (diffusers' blocks over its layers: the object patch ComfyUI set as it loaded
+    # it), then ComfyUI's PixArt forward on the same layers (the patch's attribute taken off for the rows).
+    pack = model.diffusion_model.__dict__.pop("forward_orig")
+    model.diffusion_model.forward_orig = pack
+    rows.append(timed("pack MODEL: diffusers' blocks over its layers", comfy_forward, args.out))
+    del model.diffusion_model.forward_orig
     rows.append(timed("ComfyUI's PixArt (pack MODEL)", comfy_forward, args.out))
     order = getattr(comfy.ops, "SDPA_BACKEND_PRIORITY", None)
     if order is not None:
@@ -154,6 +161,7 @@ def main() -> None:
         ]
         rows.append(timed("ComfyUI's PixArt, cuDNN attention first", comfy_forward, args.out))
         comfy.ops.SDPA_BACKEND_PRIORITY = order
+    model.diffusion_model.forward_orig = pack
     quanto.drop_dense(model.diffusion_model)
     model = patcher = None
     comfy.model_management.unload_all_models()

@@ -30,7 +30,8 @@ step_cache 0.1``, ``server: pack low-VRAM`` (the bundled low-VRAM workflow) and 
 (the basic workflow, every model kept); ``server: pack int8 MODEL, core KSampler`` (the bundled LoRA workflow
 without its LoRA loader); ``server: LoRA + KSampler, strength 1`` and ``…, strength 0`` (the bundled LoRA
 workflow as shipped, a random rank-16 LoRA on every attention and feed-forward layer written into the
-server's models/loras); ``server: ComfyUI core fp16 + Batched Guidance`` (core's graph below with the pack's
+server's models/loras) and ``…, strength 1, MODEL kept`` (the same with the int8 Model Loader's keep_loaded
+on); ``server: ComfyUI core fp16 + Batched Guidance`` (core's graph below with the pack's
 patch node before KSampler); ``server: ComfyUI core fp16``
 (core's own graph: CLIPLoader T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage,
 on the single files of the same weights) with the server's defaults and with ``--disable-dynamic-vram``.
@@ -181,6 +182,14 @@ CONFIGS: dict[str, dict] = {
         "kind": "server",
         "workflow": "pixart_lowvram_lora_ksampler_api.json",
         "lora": 0.0,
+    },
+    # The same with the int8 Model Loader's keep_loaded on (node 2): the MODEL stays on the GPU between
+    # prompts, as ComfyUI keeps its own; T5 and the VAE still unload as shipped.
+    "server: LoRA + KSampler, strength 1, MODEL kept": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "lora": 1.0,
+        "sets": ["2.keep_loaded=true"],
     },
     # ComfyUI core's own fp16 PixArt-Σ as its users build it, through the same server (its defaults:
     # Dynamic VRAM on NVIDIA), with the pack's Batched Guidance (PixArt-Σ) node before KSampler, and with

@@ -192,8 +192,12 @@ INPUTS = inputs.Inputs(
         help=f"how the blocks compute: {compute_paths.tooltip()}",
     ),
 )
-# The int8 Model Loader's: where the transformer comes from, how it is quantized and how it computes.
-LOADER_INPUTS = INPUTS.only("model", "quantization", "transformer_file", "compute")
+# The int8 Model Loader's: where the transformer comes from, how it is quantized and how it computes; last
+# (added later), whether ComfyUI keeps the MODEL on the GPU between runs, which the node declares itself.
+LOADER_INPUTS = inputs.Inputs(
+    *INPUTS.only("model", "quantization", "transformer_file", "compute"),
+    inputs.slot("keep_loaded", optional=True),
+)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def transformer_weights(
 def _from_file(weights: TransformerFile, dtype: torch.dtype):
     """A transformer built empty from the file's inferred config, then given the file's weights (renamed
     to diffusers' keys): diffusers has no single-file loader for PixArt."""
-    model = _empty(weights.config)
+    model = empty(weights.config)
     # The weights in ``dtype``; the position embedding buffer stays float32, as from_pretrained keeps it.
     model.load_state_dict({key: value.to(dtype) for key, value in weights.state_dict().items()}, assign=True)
     return model
@@ -65,7 +65,7 @@ def quantized_transformer(settings: SamplerSettings):
             recipe["config"] = weights.config  # inferred, so a change in the inference is a new entry
         model = quant_cache.load_or_build(
             quant_cache.entry(settings.quant_cache, "transformer", origin, recipe),
-            load=lambda folder: scheme.load_quantized(_empty(settings.config), folder),
+            load=lambda folder: scheme.load_quantized(empty(settings.config), folder),
             build=quantize,
             save=scheme.save_quantized,
         )
@@ -84,7 +84,7 @@ def read(settings: SamplerSettings, origin: Path):
     return PixArtTransformer2DModel.from_pretrained(origin, dtype=settings.dtype, use_safetensors=True)
 
 
-def _empty(config: dict):
+def empty(config: dict):
     """The transformer's architecture with its parameters on the meta device (its buffers, such as the
     float32 position embedding, made as from_pretrained makes them)."""
     from accelerate import init_empty_weights

@@ -10,9 +10,14 @@ patches take it as any MODEL.
 LoRA: ComfyUI's LoRA loaders add their patches to the ModelPatcher as usual (``add_patches``, keyed by the
 layers' ``weight``). The weights are buffers of the pack's layers, which ComfyUI's loading moves but never
 rewrites, so the int8 weights stay as they are; when a sampling run starts (``ON_PRE_RUN``) each layer with
-patches gets them as its ``weight_patch``, which adds them (``comfy.lora.calculate_weight``, every adapter
-ComfyUI knows) to the weight the layer expands anyway; the run's end (``ON_CLEANUP``) takes them off. Where
-the device has the room, a run holds the weights expanded, with their patches, as the pack's sampler does.
+patches gets them as its ``weight_patch``, added to the weight the layer expands anyway — plain LoRAs with
+one multiply-add each (:class:`_Fold`), any other adapter through ``comfy.lora.calculate_weight`` — and the
+run's end (``ON_CLEANUP``) takes them off. Where the device has the room, a run holds the weights expanded,
+with their patches, as the pack's sampler does.
+
+The forward is diffusers' over these layers (:mod:`.pack_forward`, an object patch). Without ``keep_loaded``
+ComfyUI unloads the MODEL after each run (:func:`release_after`), its layers' tensors waiting in page-locked
+homes in CPU memory (:class:`_HomeCopies`).
 
 ComfyUI's model detection assumes PixArt-Σ's published sizes; the config here comes from the transformer's
 own (``unet_config``), so every PixArt-Σ-architecture model the pack reads works, the tiny test models too.
@@ -21,6 +26,7 @@ own (``unet_config``), so every PixArt-Σ-architecture model the pack reads work
 from __future__ import annotations
 
 import logging
+import weakref
 
 import comfy.lora
 import comfy.model_detection
@@ -38,7 +44,7 @@ from ..core.quant import quanto
 from ..core.sampler import SamplerSettings
 from ..core.single_files import CAPTION_TOKENS
 from ..core.transformer import quantized_transformer
-from . import batched_guidance
+from . import batched_guidance, pack_forward
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +91,61 @@ def _unset(layer, bias: bool) -> None:
     layer.has_bias = bias
 
 
-class Int8Ops(comfy.ops.manual_cast):
-    """ComfyUI's operations with the pack's layers as its linear and 2-D convolution layers."""
+class _HomeCopies:
+    """A layer of the MODEL whose tensors (its 8-bit weight, scales and bias) keep a home in CPU memory,
+    page-locked. ComfyUI moves the MODEL with ``Module.to`` (its load, and its unload to the offload device):
+    here moving a layer off the CPU copies each tensor from its home (asynchronously: a home never changes)
+    and keeps the home; moving it back puts the home in place. Nothing is copied back, since the weights
+    never change (LoRA patches are added at run time, and a patch ComfyUI writes into a bias is undone before
+    it unloads). So a MODEL that leaves the GPU between prompts (``keep_loaded`` off) costs one copy at full
+    speed a prompt, not ComfyUI's copy to fresh pageable memory and back. A tensor that is not the one made
+    from its home (another dtype, one ComfyUI put in its place) moves as torch moves it. The device copy is
+    known by a weak reference, so the home holds no device memory."""
 
-    class Linear(quanto.ScaledWeightLinear):
+    HOMED = (("_buffers", "weight"), ("_buffers", "weight_scale"), ("_parameters", "bias"))
+
+    def _apply(self, fn, recurse=True):
+        homes = self.__dict__.setdefault("_homes", {})
+        for kind, name in self.HOMED:
+            tensor = getattr(self, kind).get(name)
+            if tensor is None:
+                continue
+            # Where, and as what, ``fn`` puts this tensor (``to``, ``cuda``, ``cpu``, a dtype change).
+            try:
+                target = fn(tensor.new_empty(0))
+            except NotImplementedError:  # nothing to copy from (the meta device): torch says so below
+                continue
+            if target.dtype != tensor.dtype or target.device == tensor.device:
+                continue
+            home, made, address = homes.get(name, (None, None, None))
+            if target.device.type == "cpu":
+                if home is not None and made() is tensor and tensor.data_ptr() == address:
+                    self._place(kind, name, home)
+            elif tensor.device.type == "cpu":
+                home = tensor.detach()
+                if target.device.type == "cuda" and not home.is_pinned():
+                    home = home.pin_memory()
+                self._place(kind, name, home.to(target.device, non_blocking=home.is_pinned()))
+                placed = getattr(self, kind)[name]
+                homes[name] = (home, weakref.ref(placed), placed.data_ptr())
+        return super()._apply(fn, recurse)
+
+    def _place(self, kind: str, name: str, tensor: torch.Tensor) -> None:
+        if kind == "_buffers":
+            self._buffers[name] = tensor
+            return
+        parameter = self._parameters[name]
+        try:
+            parameter.data = tensor  # the Parameter ComfyUI's patches and backups name stays (CPU and CUDA)
+        except RuntimeError:  # tensor types that cannot share a Parameter (the meta device's)
+            self._parameters[name] = torch.nn.Parameter(tensor, requires_grad=parameter.requires_grad)
+
+
+class Int8Ops(comfy.ops.manual_cast):
+    """ComfyUI's operations with the pack's layers as its linear and 2-D convolution layers, their 8-bit
+    weights with homes in CPU memory (:class:`_HomeCopies`)."""
+
+    class Linear(_HomeCopies, quanto.ScaledWeightLinear):
         def __init__(self, in_features, out_features, bias=True, dtype=None, device=None):
             self.compute_dtype = dtype or torch.float32
             super().__init__(
@@ -101,7 +158,7 @@ class Int8Ops(comfy.ops.manual_cast):
         def _load_from_state_dict(self, state_dict, prefix, _metadata, _strict, missing, unexpected, _errors):
             _load_scaled(self, state_dict, prefix, missing, unexpected, self.compute_dtype)
 
-    class Conv2d(quanto.ScaledWeightConv2d):
+    class Conv2d(_HomeCopies, quanto.ScaledWeightConv2d):
         def __init__(
             self,
             in_channels,
@@ -247,6 +304,7 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
     patcher.cached_patcher_init = (load, (settings,))
     batched_guidance.apply(patcher)
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
+    forward = None
     if settings.compiled and load_device.type == "cuda":
         # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
         # sampler compiles them: compiled at the first step, on whichever device the blocks then are. Shapes
@@ -261,9 +319,15 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
             dynamic=None,
             keys=[f"diffusion_model.blocks.{index}" for index in range(len(blocks))],
         )
-    run = _Run(settings)
+    else:
+        # diffusers' blocks over the MODEL's own layers, ComfyUI's forward where they would differ.
+        forward = pack_forward.PackForward(model.diffusion_model, settings.config, config)
+        patcher.add_object_patch(pack_forward.OBJECT, forward)
+    run = _Run(settings, forward)
     patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)
+    if not settings.keep_loaded:
+        patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, release_after)
     logger.info(
         "PixArt-Σ %s MODEL: %s of weights, %d layers quantized",
         settings.scheme.describe(),
@@ -293,12 +357,35 @@ def refuse_small(executor, noise, latent_image, *args, **kwargs):
     return executor(noise, latent_image, *args, **kwargs)
 
 
+def release_after(executor, *args, **kwargs):
+    """``OUTER_SAMPLE`` wrapper of a MODEL loaded without ``keep_loaded``: when the sampling run ends (or
+    fails, or is cancelled), ComfyUI unloads the MODEL — every loaded clone of it — to its offload device,
+    as it unloads its own models to make room, and only it. Its 8-bit weights wait in their page-locked homes
+    (:class:`_HomeCopies`); the next run's load copies them back."""
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        model = executor.class_obj.model_patcher.model
+        loaded = comfy.model_management.current_loaded_models
+        mine = [entry for entry in loaded if getattr(entry.model, "model", None) is model]
+        if mine:
+            others = [entry for entry in loaded if all(entry is not m for m in mine)]
+            comfy.model_management.free_memory(1e30, mine[0].device, keep_loaded=others)
+
+
 class _Run:
     """What a sampling run of the MODEL adds to its layers and takes off after: the ModelPatcher's patches
-    for each layer's weight, and the weights held expanded where the device has the room."""
+    for each layer's weight, and the weights held expanded where the device has the room.
 
-    def __init__(self, settings: SamplerSettings):
+    Plain LoRA patches (what ComfyUI's LoRA loaders make of a LoRA file) are read once per set of patches
+    (ComfyUI's ``patches_uuid``) into page-locked factors in CPU memory, in the compute dtype; each run copies
+    them to the device (asynchronously) and folds them into the expanded weights (:class:`_Fold`), or adds
+    them beside an 8-bit product. Any other patch goes through ComfyUI's own ``calculate_weight``."""
+
+    def __init__(self, settings: SamplerSettings, forward: pack_forward.PackForward | None = None):
         self.scheme, self.dtype, self.native = settings.scheme, settings.dtype, settings.native_size
+        self.forward = forward
+        self.read: tuple[object, dict[str, tuple[compute_paths.LowRank, ...] | None]] | None = None
 
     def layers(self, patcher):
         prefix = "diffusion_model."
@@ -306,18 +393,36 @@ class _Run:
             if isinstance(layer, (quanto.ScaledWeightLinear, quanto.ScaledWeightConv2d)):
                 yield f"{prefix}{name}.weight", layer
 
+    def factors(self, patcher) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
+        """Each patched layer's plain LoRAs as low-rank factors in CPU memory (None: a patch that is not a
+        plain LoRA), read once for the patcher's set of patches."""
+        if self.read is None or self.read[0] != patcher.patches_uuid:
+            read = {}
+            for key, layer in self.layers(patcher):
+                patches = patcher.patches.get(key)
+                if patches:
+                    read[key] = _plain_loras(patches, layer.weight_scale.dtype)
+            self.read = (patcher.patches_uuid, read)
+        return self.read[1]
+
     def start(self, patcher) -> None:
-        patched = 0
+        factors, device = self.factors(patcher), patcher.load_device
         for key, layer in self.layers(patcher):
-            patches = patcher.patches.get(key)
-            if getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16:
-                layer.low_rank = () if not patches else _low_rank(patches, key, layer, patcher.load_device)
+            eight_bit = getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16
+            if key not in factors:
+                branches = None
+            elif factors[key] is None:
+                if eight_bit:
+                    _refuse_beside_8_bit(patcher.patches[key], key, layer)
+                branches = _Patches(patcher.patches[key], key)
             else:
-                layer.weight_patch = None if not patches else _Patches(patches, key)
-            patched += bool(patches)
-        if patched:
-            logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", patched)
-        device = patcher.load_device
+                branches = tuple(_on(branch, device) for branch in factors[key])
+            if eight_bit:
+                layer.low_rank = branches or ()
+            else:
+                layer.weight_patch = _Fold(branches) if isinstance(branches, tuple) else branches
+        if factors:
+            logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", len(factors))
         dense = quanto.dense_bytes(patcher.model)
         if device.type != "cuda" or not dense:
             return
@@ -328,18 +433,20 @@ class _Run:
 
     def end(self, patcher) -> None:
         quanto.drop_dense(patcher.model)
+        if self.forward is not None:
+            self.forward.reset()
         for _key, layer in self.layers(patcher):
             layer.weight_patch = None
             if isinstance(layer, quanto.ScaledWeightLinear):
                 layer.low_rank = ()
 
 
-def _low_rank(patches: list, key: str, layer, device: torch.device) -> tuple[compute_paths.LowRank, ...]:
-    """A layer's ComfyUI LoRA patches as low-rank branches beside its 8-bit product: each patch
+def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRank, ...] | None:
+    """A layer's ComfyUI patches as low-rank factors when every one is a plain LoRA: a patch
     ``(strength, adapter, strength_model, offset, function)`` that ComfyUI's LoRA loaders make from a LoRA
-    file (a ``LoRAAdapter`` holding up, down, alpha), its rows from the offset ComfyUI's key map gives the q,
-    k and v LoRAs of the fused attention layer. Another kind of patch (LoHa, LoKr, DoRA, a scaled base
-    weight) is refused by name: its sum needs the expanded weight, which the 8-bit path never makes."""
+    file (a ``LoRAAdapter`` holding up, down and alpha), its rows from the offset ComfyUI's key map gives the
+    q, k and v LoRAs of the fused attention layer; the factors in ``dtype``, page-locked where CUDA is. None
+    when a patch is of another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
     from comfy.weight_adapter.lora import LoRAAdapter
 
     branches = []
@@ -354,16 +461,47 @@ def _low_rank(patches: list, key: str, layer, device: torch.device) -> tuple[com
             or function is not None
             or (offset is not None and offset[0] != 0)
         ):
-            kind = getattr(adapter, "name", type(adapter).__name__)
-            raise ValueError(
-                f"{key}: a {kind} patch (or a model strength other than 1) cannot run beside an 8-bit product; "
-                f"the int8 Model Loader's compute {layer.compute!r} takes plain LoRAs. Set compute to fp16."
-            )
+            return None
         up, down, alpha = weights[0], weights[1], weights[2]
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
-        branches.append(compute_paths.LowRank(up, down, scale, rows).on(device, layer.weight_scale.dtype))
+        up, down = (t.to(dtype).flatten(1).contiguous() for t in (up, down))
+        if torch.cuda.is_available():
+            up, down = up.pin_memory(), down.pin_memory()
+        branches.append(compute_paths.LowRank(up, down, scale, rows))
     return tuple(branches)
+
+
+def _on(branch: compute_paths.LowRank, device: torch.device) -> compute_paths.LowRank:
+    up, down = (t.to(device, non_blocking=t.is_pinned()) for t in (branch.up, branch.down))
+    return compute_paths.LowRank(up, down, branch.scale, branch.rows)
+
+
+def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:
+    """An 8-bit layer takes plain LoRAs only: another kind's sum needs the expanded weight, which the 8-bit
+    path never makes. The first such patch is named."""
+    adapter = next(
+        (patch[1] for patch in patches if _plain_loras([patch], torch.float32) is None), patches[0][1]
+    )
+    kind = getattr(adapter, "name", type(adapter).__name__)
+    raise ValueError(
+        f"{key}: a {kind} patch (or a model strength other than 1) cannot run beside an 8-bit product; "
+        f"the int8 Model Loader's compute {layer.compute!r} takes plain LoRAs. Set compute to fp16."
+    )
+
+
+class _Fold:
+    """A layer's plain LoRAs as its ``weight_patch``: each added in place to the expanded weight's rows
+    (:meth:`~..core.quant.compute.LowRank.fold_into`: one multiply-add a LoRA, no full-size temporaries),
+    the sum ComfyUI's ``calculate_weight`` makes of them, rounded once instead of twice."""
+
+    def __init__(self, branches: tuple[compute_paths.LowRank, ...]):
+        self.branches = branches
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        for branch in self.branches:
+            branch.fold_into(weight)
+        return weight
 
 
 class _Patches:

@@ -316,3 +316,13 @@ def free_vram_prompt() -> dict:
 
 def new_files(folder: Path, before: set[Path], pattern: str) -> list[Path]:
     return sorted(set(folder.glob(pattern)) - before)
+
+
+def wait_for_log(server, start: int, text: str, count: int, deadline_s: float = 60) -> bool:
+    """Whether the server log shows ``text`` ``count`` times after ``start`` within the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while server.log_text(start).count(text) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -3,7 +3,10 @@
 per step, and its latents are the two passes' within the bound; the Batched Guidance node does the same for
 ComfyUI core's own PixArt-Σ (Load Diffusion Model's loader on the smallest PixArt-Σ core builds: 1152-wide,
 one block); equal lengths, which ComfyUI batches by itself, give the same bits as without it; images too
-small for ComfyUI's PixArt are refused before sampling; ComfyUI's MultiGPU deep clone copies the MODEL."""
+small for ComfyUI's PixArt are refused before sampling; ComfyUI's MultiGPU deep clone copies the MODEL.
+And the MODEL's runs: its forward (diffusers' blocks over its layers) against ComfyUI's, its LoRAs folded
+against ComfyUI's sum, keep_loaded off leaving ComfyUI's loaded models after each run, and its layers'
+homes in CPU memory."""
 
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def comfy():
         sys.path[:] = saved_path
 
 
-@pytest.fixture(scope="module")
-def pack_model(comfy, tiny_folder, tmp_path_factory):
+def int8_model_of(tiny_folder, tmp_path_factory, **choices):
+    """The int8 Model Loader's MODEL of the tiny model on the CPU, in float32."""
     from pixart_lowvram.core.sampler import SamplerSettings
     from pixart_lowvram.nodes import int8_model
 
@@ -55,8 +58,14 @@ def pack_model(comfy, tiny_folder, tmp_path_factory):
         device="cpu",
         precision=torch.float32,
         quant_cache=tmp_path_factory.mktemp("quantized"),
+        **choices,
     )
     return int8_model.load(settings)
+
+
+@pytest.fixture(scope="module")
+def pack_model(comfy, tiny_folder, tmp_path_factory):
+    return int8_model_of(tiny_folder, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +336,211 @@ def test_the_attention_kernel_is_settled_once_per_device_before_the_first_step(
     repeatable.settle_attention(OnMeta())
     repeatable.settle_attention(OnMeta())
     assert len(calls) == 1 and calls[0].device.type == "meta" and calls[0].nelement() >= 1024 * 128
+
+
+# ---- the MODEL's runs: its LoRAs folded once a run, and leaving the GPU between prompts ---------------
+
+
+@pytest.fixture(scope="module")
+def lora_model(comfy, pack_model, tiny_folder, tmp_path_factory):
+    """The pack's MODEL with a random LoRA on every attention and feed-forward layer, through ComfyUI's own
+    LoRA loading (what LoraLoaderModelOnly runs), at strength 0.8."""
+    import comfy.sd
+    import comfy.utils
+
+    from pixart_lowvram.cli.random_model import save_random_lora
+
+    path = save_random_lora(
+        tiny_folder, tmp_path_factory.mktemp("lora") / "lora.safetensors", rank=4, scale=0.05
+    )
+    state = comfy.utils.load_torch_file(str(path), safe_load=True)
+    return comfy.sd.load_lora_for_models(pack_model, None, state, 0.8, 0)[0]
+
+
+def run_of(model):
+    """The MODEL's run (its ON_PRE_RUN callback's object), which every clone shares."""
+    from pixart_lowvram.nodes import int8_model
+
+    return next(
+        callback.__self__
+        for callback in model.get_all_callbacks("on_pre_run")
+        if isinstance(getattr(callback, "__self__", None), int8_model._Run)
+    )
+
+
+def test_plain_loras_fold_into_the_weights_as_comfyui_sums_them(comfy, lora_model):
+    """Each layer's LoRA patches, read once for the set of patches, folded into its expanded weight: what
+    ComfyUI's own calculate_weight makes of the same patches, within fp32 rounding; the fused q, k, v
+    layer takes each LoRA at its rows."""
+    import comfy.lora
+
+    from pixart_lowvram.nodes import int8_model
+
+    run = run_of(lora_model)
+    factors = run.factors(lora_model)
+    layers = dict(run.layers(lora_model))
+    assert factors and all(branches is not None for branches in factors.values())
+    assert any(branch.rows is not None for branches in factors.values() for branch in branches)
+    for key, branches in factors.items():
+        weight = layers[key].expanded()
+        folded = int8_model._Fold(branches)(weight.clone())
+        summed = comfy.lora.calculate_weight(lora_model.patches[key], weight.clone(), key)
+        torch.testing.assert_close(folded, summed, rtol=1e-5, atol=1e-6, msg=key)
+    assert run.factors(lora_model) is factors  # the same set of patches: not read again
+    assert run.factors(lora_model.clone()) is factors  # a clone holds the same patches
+    run.read = None
+
+
+def test_a_run_with_the_fold_samples_what_comfyuis_sum_samples(comfy, pack_model, lora_model, monkeypatch):
+    """The whole run: LoRAs folded by the pack, against the same patches summed by ComfyUI's own
+    calculate_weight (every patch taken as one the fold does not know); the LoRA changes the latents."""
+    from pixart_lowvram.nodes import int8_model
+
+    run = run_of(lora_model)
+    run.read = None
+    folded, _ = sample(comfy, lora_model)
+    monkeypatch.setattr(int8_model, "_plain_loras", lambda patches, dtype: None)
+    run.read = None
+    summed, _ = sample(comfy, lora_model)
+    run.read = None
+    without, _ = sample(comfy, pack_model)
+    assert cosine(folded, summed) >= GUIDANCE_COSINE[torch.float32]
+    assert (folded - without).abs().max() > 100 * (folded - summed).abs().max()
+
+
+def test_a_patch_that_is_not_a_plain_lora_goes_through_comfyuis_sum(comfy, pack_model):
+    """A patch of another kind (here a weight difference) on a layer: that layer's run takes ComfyUI's own
+    calculate_weight; the run's end takes every patch off."""
+    from pixart_lowvram.core.quant import quanto
+    from pixart_lowvram.nodes import int8_model
+
+    model = pack_model.clone()
+    key = "diffusion_model.blocks.0.mlp.fc1.weight"
+    run = run_of(model)
+    layer = dict(run.layers(model))[key]
+    stored = quanto.expand(layer.weight, layer.weight_scale)
+    model.add_patches({key: (torch.full_like(stored, 0.01),)}, 1.0)
+    run.start(model)
+    try:
+        assert isinstance(layer.weight_patch, int8_model._Patches)
+        torch.testing.assert_close(layer.expanded(), stored + 0.01)
+    finally:
+        run.end(model)
+        run.read = None
+    assert layer.weight_patch is None
+    torch.testing.assert_close(layer.expanded(), stored, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def kept_model(comfy, tiny_folder, tmp_path_factory):
+    """The pack's MODEL loaded with keep_loaded on."""
+    return int8_model_of(tiny_folder, tmp_path_factory, keep_loaded=True)
+
+
+def loaded(model) -> bool:
+    """Whether ComfyUI holds the MODEL (any clone of it) among its loaded models."""
+    import comfy.model_management
+
+    return any(
+        getattr(entry.model, "model", None) is model.model
+        for entry in comfy.model_management.current_loaded_models
+    )
+
+
+def test_keep_loaded_off_lets_comfyui_unload_the_model_after_each_run(comfy, pack_model, kept_model):
+    """keep_loaded off (the loader's default): when a run ends, ComfyUI unloads the MODEL as it unloads its
+    own models for room — also after a run that fails — and only it; on, ComfyUI keeps it loaded as it keeps
+    its own models."""
+    import comfy.model_management
+
+    sample(comfy, kept_model)
+    assert loaded(kept_model)
+    sample(comfy, pack_model)
+    assert not loaded(pack_model) and loaded(kept_model)
+
+    seen = []
+
+    def stop(apply_model, args):
+        seen.append(loaded(pack_model))
+        raise comfy.model_management.InterruptProcessingException()
+
+    failing = pack_model.clone()
+    failing.set_model_unet_function_wrapper(stop)
+    latent = torch.zeros(1, 4, SIZE // 8, SIZE // 8)
+    noise = comfy.sample.prepare_noise(latent, 5)
+    positive, negative = conditioning(failing, PROMPT_TOKENS, 1), conditioning(failing, 1, 2)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        comfy.sample.sample(failing, noise, STEPS, CFG, "euler", "normal", positive, negative, latent, seed=5)
+    assert seen == [True]  # loaded for its run
+    assert not loaded(pack_model) and loaded(kept_model)
+
+
+def test_the_models_layers_go_back_to_their_homes_in_cpu_memory(comfy, pack_model):
+    """A layer of the MODEL moved off the CPU keeps its tensors' homes; moved back, the homes are in place
+    (the same memory and values: nothing copied back) and nothing on the device is held. The meta device
+    stands for the GPU here: a meta tensor has no data, so the move back makes fresh CPU tensors for
+    whatever has no home."""
+    import copy
+
+    layer = copy.deepcopy(pack_model.model.diffusion_model.blocks[0].mlp.fc1)
+    names = ("weight", "weight_scale", "bias")
+    before = {name: getattr(layer, name).data_ptr() for name in names}
+    values = {name: getattr(layer, name).clone() for name in names}
+    layer.to(torch.device("meta"))
+    assert all(getattr(layer, name).device.type == "meta" for name in names)
+    layer._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t.to("cpu"))
+    assert {name: getattr(layer, name).data_ptr() for name in names} == before
+    assert all(torch.equal(getattr(layer, name), values[name]) for name in names)
+    assert layer._homes["weight"][1]() is None and layer._homes["weight_scale"][1]() is None
+
+
+def test_the_pack_forward_computes_what_comfyuis_pixart_computes(comfy, pack_model):
+    """The MODEL's forward (its object patch of ComfyUI's forward_orig: diffusers' blocks over the MODEL's
+    own layers) against ComfyUI's own forward_orig on the same inputs, square and not: within fp32 rounding."""
+    from pixart_lowvram.nodes import pack_forward
+
+    pixart = pack_model.model.diffusion_model
+    forward = pack_model.object_patches[pack_forward.OBJECT]
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((34, 34), (40, 28), (64, 36)):
+        x = torch.randn(2, 4, height, width, generator=generator)
+        timestep = torch.tensor([999.0, 421.0])
+        y = torch.randn(2, 1, 12, caption_width(pack_model), generator=generator)
+        with torch.inference_mode():
+            ours = forward(x, timestep, y)
+            theirs = type(pixart).forward_orig(pixart, x, timestep, y)
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=f"{height}×{width}")
+    forward.reset()
+
+
+def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
+    """Under KSampler the MODEL's steps run diffusers' blocks (each step's one batched forward), none of
+    ComfyUI's; ComfyUI's own forward, the object patch taken off, samples the same latents within the
+    guidance bound."""
+    from pixart_lowvram.nodes import pack_forward
+
+    forward = pack_model.object_patches[pack_forward.OBJECT]
+    calls = {"diffusers": 0, "comfyui": 0}
+    hooks = [
+        forward.skeleton.transformer_blocks[0].register_forward_hook(
+            lambda *_: calls.__setitem__("diffusers", calls["diffusers"] + 1)
+        ),
+        pack_model.model.diffusion_model.blocks[0].register_forward_hook(
+            lambda *_: calls.__setitem__("comfyui", calls["comfyui"] + 1)
+        ),
+    ]
+    try:
+        latents, batches = sample(comfy, pack_model)
+        assert calls == {"diffusers": STEPS, "comfyui": 0} and batches == [2] * STEPS
+        comfyuis = pack_model.clone()
+        comfyuis.object_patches.pop(pack_forward.OBJECT)
+        reference, _ = sample(comfy, comfyuis)
+        assert calls["comfyui"] == STEPS
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert cosine(latents, reference) >= GUIDANCE_COSINE[torch.float32]
+    # Released after its run (keep_loaded off): ComfyUI has taken its object patches off again.
+    assert not loaded(pack_model)
+    assert not isinstance(pack_model.model.diffusion_model.forward_orig, pack_forward.PackForward)

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from comfyui_support import (
     basic_prompt,
     node_id,
     running_server,
+    wait_for_log,
 )
 from PIL import Image
 
@@ -84,16 +84,6 @@ def pack_prompt(keep: bool = False, **sampler_inputs) -> dict:
         if "keep_loaded" in node["inputs"]:
             node["inputs"]["keep_loaded"] = keep
     return prompt
-
-
-def wait_for_log(server, start: int, text: str, count: int, deadline_s: float = 60) -> bool:
-    """Whether the server log shows ``text`` ``count`` times after ``start`` within the deadline."""
-    deadline = time.monotonic() + deadline_s
-    while server.log_text(start).count(text) < count:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 LET_GO = re.compile(

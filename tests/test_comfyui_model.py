@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import requests
 import torch
-from comfyui_support import HTTP_TIMEOUT, MODEL, REPO, STEPS, node_id, running_server
+from comfyui_support import HTTP_TIMEOUT, MODEL, REPO, STEPS, node_id, running_server, wait_for_log
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -93,19 +93,41 @@ def test_a_lora_through_core_nodes_on_the_packs_model(server):
     assert np.array_equal(image(server, without_lora(lora_prompt(1.0))), plain)
 
 
-def test_free_lets_the_model_go_and_a_prompt_after_runs(server):
-    first = image(server, lora_prompt(1.0, seed=11))
+def kept(prompt: dict, keep: bool = True) -> dict:
+    """The prompt with the int8 Model Loader's keep_loaded set."""
+    prompt[node_id(prompt, "PixArtQ_ModelLoader")]["inputs"]["keep_loaded"] = keep
+    return prompt
+
+
+def test_free_lets_a_kept_model_go_and_a_prompt_after_runs(server):
+    first = image(server, kept(lora_prompt(1.0, seed=11)))
     start = server.log.stat().st_size
-    image(server, lora_prompt(1.0, seed=12))
-    assert "Requested to load PixArt" not in server.log_text(start), "a loaded MODEL stays loaded"
-    response = requests.post(
-        server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
-    )
-    assert response.status_code == 200
-    # ComfyUI frees on its prompt worker's next turn: the next prompt loads the MODEL anew.
+    image(server, kept(lora_prompt(1.0, seed=12)))
+    assert "Requested to load PixArt" not in server.log_text(start), "a kept MODEL stays loaded"
+    freed = server.log.stat().st_size
+    for _attempt in range(6):  # ComfyUI frees when its prompt worker wakes: seen when it lets go of the nodes
+        response = requests.post(
+            server.url + "/free", json={"unload_models": True, "free_memory": True}, timeout=HTTP_TIMEOUT
+        )
+        assert response.status_code == 200
+        if wait_for_log(server, freed, "ComfyUI let go of the pack's nodes", 1, deadline_s=10):
+            break
+    # The next prompt loads the MODEL anew.
     start = server.log.stat().st_size
-    assert np.array_equal(image(server, lora_prompt(1.0, seed=11)), first)
+    assert np.array_equal(image(server, kept(lora_prompt(1.0, seed=11))), first)
     assert "Requested to load PixArt" in server.log_text(start), "/free let the MODEL go"
+
+
+def test_a_model_not_kept_leaves_after_each_run_and_gives_the_same_image(server):
+    """keep_loaded off (the bundled workflow's, the loader's default): ComfyUI unloads the MODEL after each
+    run and loads it for the next, which gives the kept MODEL's image."""
+    first = image(server, kept(lora_prompt(1.0, seed=13)))
+    images = []
+    for seed in (13, 14):  # the second prompt reuses the first's MODEL (the loader's output is cached)
+        start = server.log.stat().st_size
+        images.append(image(server, kept(lora_prompt(1.0, seed=seed), keep=False)))
+        assert "Requested to load PixArt" in server.log_text(start), "the MODEL left after its run"
+    assert np.array_equal(images[0], first) and not np.array_equal(images[1], first)
 
 
 def test_the_packs_sampler_takes_the_lora_node(server):

@@ -117,6 +117,19 @@ def test_a_low_rank_branch_adds_its_lora_to_its_rows():
     torch.testing.assert_close(got[:, 64:], base[:, 64:], rtol=0, atol=0)
 
 
+def test_a_low_rank_fold_adds_its_lora_to_the_weights_rows():
+    """Folded into an expanded weight (the MODEL's LoRA on a layer computing in fp16): the weight plus
+    ``scale × up @ down`` on its rows, in one multiply-add; a convolution's weight taken as its rows."""
+    weight, up, down = torch.randn(96, 40), torch.randn(32, 4), torch.randn(4, 40)
+    folded = compute.LowRank(up, down, 0.5, rows=(32, 32)).fold_into(weight.clone())
+    expected = weight.clone()
+    expected[32:64] = expected[32:64] + 0.5 * (up @ down)
+    torch.testing.assert_close(folded, expected, rtol=1e-6, atol=1e-6)
+    kernel, up, down = torch.randn(8, 3, 2, 2), torch.randn(8, 4), torch.randn(4, 12)
+    folded = compute.LowRank(up, down, -1.5).fold_into(kernel.clone())
+    torch.testing.assert_close(folded, kernel - 1.5 * (up @ down).view(8, 3, 2, 2), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -52,7 +52,7 @@ WIDGETS = {
     "PixArtQ_VAEDecode": ("model", "keep_loaded", "tiling", "vae_file"),
     "PixArtQ_FreeVRAM": (),
     "PixArtQ_MemorySnapshot": ("filename_prefix", "allocator_history"),
-    "PixArtQ_ModelLoader": ("model", "quantization", "transformer_file", "compute"),
+    "PixArtQ_ModelLoader": ("model", "quantization", "transformer_file", "compute", "keep_loaded"),
     "PixArtQ_LoRA": ("lora_name", "strength"),
     "PixArtQ_BatchedGuidance": (),
     "SaveImage": ("filename_prefix",),

@@ -155,6 +155,14 @@ class LowRank:
             self.rows,
         )
 
+    def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
+        """Add ``scale × up @ down`` to ``weight``'s rows in place (a linear or convolution weight of its
+        own, in the factors' dtype and on their device): the LoRA merged into an expanded weight, in one
+        multiply-add."""
+        rows = weight if self.rows is None else weight.narrow(0, *self.rows)
+        rows.view(rows.shape[0], -1).addmm_(self.up, self.down, alpha=self.scale)
+        return weight
+
     def add_to(self, out: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         # A branch made where the layer was (low-VRAM streaming computes on the GPU from CPU memory).
         up, down = (t if t.device == input.device else t.to(input.device) for t in (self.up, self.down))

@@ -1,0 +1,192 @@
+"""What a later KSampler prompt on the pack's int8 MODEL spends around its forwards, per run: ComfyUI's
+loading (``load_models_gpu``), the MODEL's run start (``ON_PRE_RUN``: the weights held expanded, LoRA
+patches added) and its end, with and without a LoRA; and what taking the MODEL off the GPU between prompts
+costs (its unload, and the load that brings it back). In one process with ComfyUI as a library (the
+full-size architecture with random weights, 1024², 20 steps, cfg 4.5, dpmpp_2m/normal as KSampler runs
+it), each phase timed with the device synchronized at its edges.
+
+    python benchmarks/run_costs.py --comfyui ComfyUI --model-dir pixart-full --out DIR [--dynamic-vram]
+
+On a CPU machine ``--preset tiny --size 272 --steps 2`` checks the script. Writes run_costs.json and
+run_costs_profile.txt (cProfile of one run start with the LoRA, by cumulative time) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import platform
+import pstats
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from model_lora import comfy_modules, ksample, random_embeds  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Phases:
+    """Seconds spent in a few functions, summed per prompt (the device synchronized at each edge)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def timed(self, name, function):
+        def call(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                sync()
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return call
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comfyui", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dynamic-vram", action="store_true")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
+    args = parser.parse_args()
+
+    comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
+    import comfy.model_management as mm
+
+    from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.models import resolve_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (args.model_dir / "model_index.json").is_file():
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    work = args.out / "work"
+    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
+    settings = sampler.SamplerSettings(
+        resolve_model(str(args.model_dir), []),
+        width=args.size,
+        height=args.size,
+        steps=args.steps,
+        cfg=4.5,
+        quantization="qint8",
+        device=device,
+        quant_cache=work / "quantized",
+    )
+    phases = Phases()
+    run_class = int8_model._Run
+    run_class.start = phases.timed("run start (ON_PRE_RUN)", run_class.start)
+    run_class.end = phases.timed("run end (ON_CLEANUP)", run_class.end)
+    # comfy.sampler_helpers.prepare_sampling looks it up on the module at each call.
+    mm.load_models_gpu = phases.timed("load_models_gpu", mm.load_models_gpu)
+
+    lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
+    model = int8_model.load(dataclasses.replace(settings, keep_loaded=True))
+    with_lora, _ = comfy.sd.load_lora_for_models(model, None, lora_state, 1.0, 0)
+    released = int8_model.load(settings)
+    released_lora, _ = comfy.sd.load_lora_for_models(released, None, lora_state, 1.0, 0)
+    embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts)]
+    latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
+    rows = []
+    configs = (
+        ("MODEL, keep_loaded", model),
+        ("MODEL + LoRA, keep_loaded", with_lora),
+        ("MODEL, keep_loaded off", released),
+        ("MODEL + LoRA, keep_loaded off", released_lora),
+    )
+    for name, patcher in configs:
+        prompts = []
+        for i in range(args.prompts):
+            phases.take()
+            sync()
+            start = time.perf_counter()
+            ksample(comfy, patcher, 1000 + i, embeds[i], latent, args.steps, 4.5)
+            sync()
+            prompts.append({"seconds": time.perf_counter() - start, **phases.take()})
+        later = prompts[1:]
+        mean = {key: sum(p.get(key, 0.0) for p in later) / len(later) for key in prompts[-1]}
+        rows.append({"name": name, "prompts": prompts, "later": mean})
+        print(name, json.dumps({k: round(v, 4) for k, v in mean.items()}), flush=True)
+
+    # One run start with the LoRA under cProfile (the weights held expanded and patched), then its end.
+    profile = cProfile.Profile()
+    run = int8_model._Run(settings)
+    mm.load_models_gpu([with_lora])
+    profile.enable()
+    run.start(with_lora)
+    sync()
+    profile.disable()
+    run.end(with_lora)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+
+    # The MODEL taken off the GPU and brought back, as ComfyUI does it: from its layers' page-locked homes,
+    # and as ComfyUI moves a plain MODEL (without homes: to fresh pageable memory and back).
+    moves = []
+    homed = int8_model._HomeCopies.HOMED
+    for homes in (True, False, True):
+        int8_model._HomeCopies.HOMED = homed if homes else ()
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            mm.unload_all_models()
+            sync()
+            unloaded = time.perf_counter() - start
+            phases.take()
+            mm.load_models_gpu([with_lora])
+            load = phases.take().get("load_models_gpu", 0.0)
+            moves.append({"homes": homes, "unload": unloaded, "load": load})
+    int8_model._HomeCopies.HOMED = homed
+    print("moves", json.dumps(moves), flush=True)
+
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "comfyui": (args.comfyui / "comfyui_version.py").read_text().split('"')[1]
+        if (args.comfyui / "comfyui_version.py").is_file()
+        else str(args.comfyui),
+        "patcher": type(model).__name__,
+        "dynamic_vram": args.dynamic_vram,
+        "arguments": {
+            "size": args.size,
+            "steps": args.steps,
+            "cfg": 4.5,
+            "rank": args.rank,
+            "prompts": args.prompts,
+        },
+        "rows": rows,
+        "moves": moves,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "run_costs.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "run_costs_profile.txt").write_text(text.getvalue())
+    print(text.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    main()

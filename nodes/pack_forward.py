@@ -1,0 +1,133 @@
+"""The pack's MODEL computing its forward with diffusers' PixArt-Σ blocks over ComfyUI's own layers.
+
+ComfyUI's PixArt (``comfy/ldm/pixart``, the same code in v0.3.64, v0.8.0 and v0.33.0) and diffusers'
+``PixArtTransformer2DModel`` are one architecture; diffusers' forward, the Quanto PixArt Sampler's, is the
+faster of the two (one batch-2 forward at 1024² on an H200: 39.0 against 53.5 ms, docs/BENCHMARKS.md: its
+attention runs torch's own kernel order and its blocks do fewer separate elementwise steps). ComfyUI's
+PixArt takes no ``transformer_options`` (no attention override, block patch or wrapper reaches its blocks),
+so running diffusers' blocks instead changes nothing a ComfyUI patch could have changed.
+
+:class:`PackForward` is the MODEL's object patch of ``diffusion_model.forward_orig`` (ComfyUI's
+``add_object_patch``: set while ComfyUI has the MODEL loaded, undone when it unloads it). ``PixArtMS.forward``
+calls it as it calls its own ``forward_orig``, and takes its output as its own (the first ``in_channels``
+where the model predicts its variance too). It runs diffusers' transformer whose every layer is ComfyUI's
+module itself — the pack's int8 layers, with their LoRA patches and expanded weights, and ComfyUI's patch
+embedding convolution — found through ComfyUI's own key map (``comfy.utils.pixart_to_diffusers``): q, k and
+v (and the cross-attention's k and v) are ComfyUI's fused projections, which diffusers' fused attention
+processor takes as they are. Nothing is copied but the blocks' small modulation tables, cast to the run's
+dtype. The position embedding is diffusers' with ComfyUI's base size for the image
+(``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes.
+
+ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
+conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
+
+from __future__ import annotations
+
+import weakref
+
+import comfy.utils
+import torch
+
+from ..core.transformer import empty
+
+# diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
+# diffusers' fused attention.
+OBJECT = "diffusion_model.forward_orig"  # the object patch's name (ComfyUI's add_object_patch)
+FUSED = {("to_q", "to_k", "to_v"): "to_qkv", ("to_k", "to_v"): "to_kv"}
+NO_ADDED_CONDITIONS = {"resolution": None, "aspect_ratio": None}
+
+
+class PackForward:
+    """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers."""
+
+    def __init__(self, pixart: torch.nn.Module, config: dict, unet_config: dict):
+        from diffusers.models.attention_processor import FusedAttnProcessor2_0
+
+        self.pixart = weakref.ref(pixart)
+        key_map = comfy.utils.pixart_to_diffusers(unet_config)
+        skeleton = empty(config)
+        fused: dict[str, list[tuple[int, str]]] = {}
+        for name, _module in list(skeleton.named_modules()):
+            target = key_map.get(f"{name}.weight")
+            if target is None:
+                continue
+            if isinstance(target, str):
+                _swap(skeleton, name, pixart.get_submodule(target.removesuffix(".weight")))
+            else:
+                path, (_dim, offset, _size) = target
+                fused.setdefault(path.removesuffix(".weight"), []).append((offset, name))
+        for path, parts in fused.items():
+            names = [name for _offset, name in sorted(parts)]
+            owner = names[0].rpartition(".")[0]
+            leaves = tuple(name.rpartition(".")[2] for name in names)
+            if leaves not in FUSED or any(name.rpartition(".")[0] != owner for name in names):
+                raise ValueError(f"ComfyUI's {path} joins {names}: not projections diffusers fuses")
+            attention = skeleton.get_submodule(owner)
+            for leaf in leaves:
+                delattr(attention, leaf)
+            setattr(attention, FUSED[leaves], pixart.get_submodule(path))
+            attention.set_processor(FusedAttnProcessor2_0())
+        # The modulation tables: ComfyUI's parameters, cast to the run's dtype when it starts (ComfyUI's
+        # blocks cast theirs on every call), held as plain attributes of diffusers' modules.
+        self.tables = []
+        for name, _parameter in list(skeleton.named_parameters()):
+            target = key_map.get(name)
+            if isinstance(target, str) and name.endswith("scale_shift_table"):
+                owner, _, leaf = name.rpartition(".")
+                module = skeleton.get_submodule(owner) if owner else skeleton
+                delattr(module, leaf)
+                self.tables.append((module, leaf, target))
+        left = [name for name, tensor in skeleton.named_parameters() if tensor.is_meta]
+        if left:
+            raise ValueError(
+                f"diffusers' PixArt has weights ComfyUI's has no place for: {', '.join(left[:5])}"
+            )
+        # The position embedding is made for each image's size, on its device (the native size's buffer
+        # unused: only its width is read).
+        patches = skeleton.pos_embed
+        patches.pos_embed = torch.zeros(1, 1, patches.pos_embed.shape[-1])
+        patches.height = patches.width = -1
+        patches.interpolation_scale = pixart.pe_interpolation
+        self.skeleton, self.made_for = skeleton, None
+
+    def takes(self, pixart, mask) -> bool:
+        """Whether diffusers' forward computes what ComfyUI's would for this call."""
+        return (
+            mask is None
+            and not pixart.micro_conditioning
+            and pixart.pe_interpolation is not None
+            and pixart.pe_precision is None
+        )
+
+    def reset(self) -> None:
+        """Drop the tables cast for a run (the run's end)."""
+        for module, leaf, _target in self.tables:
+            module.__dict__.pop(leaf, None)
+        self.made_for = None
+
+    def __call__(self, x, timestep, y, mask=None, c_size=None, c_ar=None, **kwargs):
+        pixart = self.pixart()
+        if not self.takes(pixart, mask):
+            return type(pixart).forward_orig(
+                pixart, x, timestep, y, mask=mask, c_size=c_size, c_ar=c_ar, **kwargs
+            )
+        if self.made_for != (x.device, x.dtype):
+            for module, leaf, target in self.tables:
+                setattr(module, leaf, pixart.get_parameter(target).detach().to(x.device, x.dtype))
+            self.made_for = (x.device, x.dtype)
+        height, width = x.shape[-2:]
+        patch = self.skeleton.config.patch_size
+        # ComfyUI's base size for the position embedding (PixArtMS.forward_orig), and SMALLEST_MEAN_SIDE's.
+        self.skeleton.pos_embed.base_size = (round((height + width) // 2 / 64) * 64) // patch
+        return self.skeleton(
+            hidden_states=x,
+            encoder_hidden_states=y.squeeze(1),
+            timestep=timestep,
+            added_cond_kwargs=NO_ADDED_CONDITIONS,
+            return_dict=False,
+        )[0]
+
+
+def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(skeleton.get_submodule(owner) if owner else skeleton, leaf, module)
