@@ -304,7 +304,6 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
     patcher.cached_patcher_init = (load, (settings,))
     batched_guidance.apply(patcher)
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
-    forward = None
     if settings.compiled and load_device.type == "cuda":
         # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
         # sampler compiles them: compiled at the first step, on whichever device the blocks then are. Shapes
@@ -323,7 +322,8 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
         # diffusers' blocks over the MODEL's own layers, ComfyUI's forward where they would differ.
         forward = pack_forward.PackForward(model.diffusion_model, settings.config, config)
         patcher.add_object_patch(pack_forward.OBJECT, forward)
-    run = _Run(settings, forward)
+        patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, forward.follow)
+    run = _Run(settings)
     patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)
     if not settings.keep_loaded:
@@ -382,9 +382,8 @@ class _Run:
     them to the device (asynchronously) and folds them into the expanded weights (:class:`_Fold`), or adds
     them beside an 8-bit product. Any other patch goes through ComfyUI's own ``calculate_weight``."""
 
-    def __init__(self, settings: SamplerSettings, forward: pack_forward.PackForward | None = None):
+    def __init__(self, settings: SamplerSettings):
         self.scheme, self.dtype, self.native = settings.scheme, settings.dtype, settings.native_size
-        self.forward = forward
         self.read: tuple[object, dict[str, tuple[compute_paths.LowRank, ...] | None]] | None = None
 
     def layers(self, patcher):
@@ -433,8 +432,9 @@ class _Run:
 
     def end(self, patcher) -> None:
         quanto.drop_dense(patcher.model)
-        if self.forward is not None:
-            self.forward.reset()
+        forward = patcher.object_patches.get(pack_forward.OBJECT)
+        if isinstance(forward, pack_forward.PackForward):
+            forward.reset()
         for _key, layer in self.layers(patcher):
             layer.weight_patch = None
             if isinstance(layer, quanto.ScaledWeightLinear):

@@ -44,6 +44,7 @@ class PackForward:
         from diffusers.models.attention_processor import FusedAttnProcessor2_0
 
         self.pixart = weakref.ref(pixart)
+        self.config, self.unet_config = config, unet_config
         key_map = comfy.utils.pixart_to_diffusers(unet_config)
         skeleton = empty(config)
         fused: dict[str, list[tuple[int, str]]] = {}
@@ -98,6 +99,15 @@ class PackForward:
             and pixart.pe_interpolation is not None
             and pixart.pe_precision is None
         )
+
+    def follow(self, _original, clone) -> None:
+        """``ON_CLONE``: a clone holding another model than the one this forward runs (ComfyUI's MultiGPU
+        deep clone gives its clone a fresh model, with the original's object patches) gets a forward over
+        that model's layers."""
+        model = clone.model.diffusion_model
+        current = clone.object_patches.get(OBJECT)
+        if isinstance(current, PackForward) and current.pixart() is not model:
+            clone.object_patches[OBJECT] = PackForward(model, self.config, self.unet_config)
 
     def reset(self) -> None:
         """Drop the tables cast for a run (the run's end)."""

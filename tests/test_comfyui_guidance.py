@@ -250,8 +250,9 @@ def test_a_small_image_is_refused_before_sampling(comfy, pack_model):
 
 def test_multigpu_deep_clone_builds_a_fresh_model_that_computes_the_same(comfy, pack_model):
     """ComfyUI's MultiGPU CFG Split copies a MODEL with ``deepclone_multigpu`` (v0.33 on): the pack's
-    builds a fresh one from its ``cached_patcher_init``, with the same numbers and the same options."""
-    from pixart_lowvram.nodes import batched_guidance
+    builds a fresh one from its ``cached_patcher_init``, with the same numbers and the same options, its
+    forward over its own layers."""
+    from pixart_lowvram.nodes import batched_guidance, pack_forward
 
     if not hasattr(pack_model, "deepclone_multigpu"):
         pytest.skip("this ComfyUI has no MultiGPU deep clone")
@@ -260,6 +261,11 @@ def test_multigpu_deep_clone_builds_a_fresh_model_that_computes_the_same(comfy, 
     copy = pack_model.deepclone_multigpu(new_load_device=torch.device("cpu"))
     assert copy.model is not pack_model.model
     assert batched_guidance.applied(copy)
+    # Its forward runs its own layers (the clone got the original's object patches); a plain clone shares.
+    forwards = (copy.object_patches[pack_forward.OBJECT], pack_model.object_patches[pack_forward.OBJECT])
+    assert forwards[0].pixart() is copy.model.diffusion_model
+    assert forwards[1].pixart() is pack_model.model.diffusion_model
+    assert pack_model.clone().object_patches[pack_forward.OBJECT] is forwards[1]
     latents, batches = sample(comfy, copy)
     reference, _ = sample(comfy, pack_model)
     assert batches == [2] * STEPS
