@@ -141,10 +141,15 @@ class ComfyModels:
         return patcher.inner
 
     def offload(self, patcher: PackModelPatcher) -> None:
-        # ComfyUI unloads it as it unloads its own models to make room (LoadedModel.model_unload, to the
-        # stage's offload device), and only it: every other loaded model stays.
-        others = [loaded for loaded in mm.current_loaded_models if loaded.model is not patcher]
-        mm.free_memory(1e30, patcher.load_device, keep_loaded=others)
+        unload_alone(patcher.load_device, lambda loaded: loaded.model is patcher)
+
+
+def unload_alone(device: torch.device, mine: Callable[[object], bool]) -> None:
+    """ComfyUI unloads the loaded models that ``mine`` picks (each a ``LoadedModel``) as it unloads its own to
+    make room (``LoadedModel.model_unload``, to their offload device), and only them: every other loaded model
+    stays."""
+    others = [loaded for loaded in mm.current_loaded_models if not mine(loaded)]
+    mm.free_memory(1e30, device, keep_loaded=others)
 
 
 def install(cache: ModelCache) -> ComfyModels:

@@ -44,7 +44,7 @@ from ..core.quant import quanto
 from ..core.sampler import SamplerSettings
 from ..core.single_files import CAPTION_TOKENS
 from ..core.transformer import quantized_transformer
-from . import batched_guidance, pack_forward
+from . import batched_guidance, comfy_models, pack_forward
 
 logger = logging.getLogger(__name__)
 
@@ -365,12 +365,10 @@ def release_after(executor, *args, **kwargs):
     try:
         return executor(*args, **kwargs)
     finally:
-        model = executor.class_obj.model_patcher.model
-        loaded = comfy.model_management.current_loaded_models
-        mine = [entry for entry in loaded if getattr(entry.model, "model", None) is model]
-        if mine:
-            others = [entry for entry in loaded if all(entry is not m for m in mine)]
-            comfy.model_management.free_memory(1e30, mine[0].device, keep_loaded=others)
+        patcher = executor.class_obj.model_patcher
+        comfy_models.unload_alone(
+            patcher.load_device, lambda loaded: getattr(loaded.model, "model", None) is patcher.model
+        )
 
 
 class _Run:
@@ -408,18 +406,17 @@ class _Run:
         factors, device = self.factors(patcher), patcher.load_device
         for key, layer in self.layers(patcher):
             eight_bit = getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16
-            if key not in factors:
-                branches = None
-            elif factors[key] is None:
+            if key in factors and factors[key] is None:  # patches that are not plain LoRAs
                 if eight_bit:
                     _refuse_beside_8_bit(patcher.patches[key], key, layer)
-                branches = _Patches(patcher.patches[key], key)
-            else:
-                branches = tuple(_on(branch, device) for branch in factors[key])
+                layer.weight_patch = _Patches(patcher.patches[key], key)
+                continue
+            dtype = layer.weight_scale.dtype
+            branches = tuple(branch.on(device, dtype) for branch in factors.get(key) or ())
             if eight_bit:
-                layer.low_rank = branches or ()
+                layer.low_rank = branches
             else:
-                layer.weight_patch = _Fold(branches) if isinstance(branches, tuple) else branches
+                layer.weight_patch = _Fold(branches) if branches else None
         if factors:
             logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", len(factors))
         dense = quanto.dense_bytes(patcher.model)
@@ -441,28 +438,34 @@ class _Run:
                 layer.low_rank = ()
 
 
-def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRank, ...] | None:
-    """A layer's ComfyUI patches as low-rank factors when every one is a plain LoRA: a patch
-    ``(strength, adapter, strength_model, offset, function)`` that ComfyUI's LoRA loaders make from a LoRA
-    file (a ``LoRAAdapter`` holding up, down and alpha), its rows from the offset ComfyUI's key map gives the
-    q, k and v LoRAs of the fused attention layer; the factors in ``dtype``, page-locked where CUDA is. None
-    when a patch is of another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
+def _plain_lora(patch: tuple) -> bool:
+    """Whether a ComfyUI patch ``(strength, adapter, strength_model, offset, function)`` is what ComfyUI's
+    LoRA loaders make from a LoRA file: a ``LoRAAdapter`` of up, down and alpha alone, model strength 1, no
+    function, rows (if any) along the output (the q, k and v LoRAs of the fused attention layer)."""
     from comfy.weight_adapter.lora import LoRAAdapter
 
+    _strength, adapter, strength_model, offset, function = patch
+    weights = getattr(adapter, "weights", None)
+    return (
+        isinstance(adapter, LoRAAdapter)
+        and weights[3] is None  # LoCon's mid
+        and weights[4] is None  # DoRA's scale
+        and weights[5] is None  # reshape
+        and strength_model == 1.0
+        and function is None
+        and (offset is None or offset[0] == 0)
+    )
+
+
+def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRank, ...] | None:
+    """A layer's ComfyUI patches as low-rank factors when every one is a plain LoRA (:func:`_plain_lora`),
+    each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``, page-locked where CUDA
+    is. None when a patch is of another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
+    if not all(_plain_lora(patch) for patch in patches):
+        return None
     branches = []
-    for strength, adapter, strength_model, offset, function in patches:
-        weights = getattr(adapter, "weights", None)
-        if (
-            not isinstance(adapter, LoRAAdapter)
-            or weights[3] is not None  # LoCon's mid
-            or weights[4] is not None  # DoRA's scale
-            or weights[5] is not None  # reshape
-            or strength_model != 1.0
-            or function is not None
-            or (offset is not None and offset[0] != 0)
-        ):
-            return None
-        up, down, alpha = weights[0], weights[1], weights[2]
+    for strength, adapter, _strength_model, offset, _function in patches:
+        up, down, alpha = adapter.weights[:3]
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
         up, down = (t.to(dtype).flatten(1).contiguous() for t in (up, down))
@@ -472,17 +475,10 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
     return tuple(branches)
 
 
-def _on(branch: compute_paths.LowRank, device: torch.device) -> compute_paths.LowRank:
-    up, down = (t.to(device, non_blocking=t.is_pinned()) for t in (branch.up, branch.down))
-    return compute_paths.LowRank(up, down, branch.scale, branch.rows)
-
-
 def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:
     """An 8-bit layer takes plain LoRAs only: another kind's sum needs the expanded weight, which the 8-bit
     path never makes. The first such patch is named."""
-    adapter = next(
-        (patch[1] for patch in patches if _plain_loras([patch], torch.float32) is None), patches[0][1]
-    )
+    adapter = next(patch[1] for patch in patches if not _plain_lora(patch))
     kind = getattr(adapter, "name", type(adapter).__name__)
     raise ValueError(
         f"{key}: a {kind} patch (or a model strength other than 1) cannot run beside an 8-bit product; "

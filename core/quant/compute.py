@@ -148,12 +148,9 @@ class LowRank:
     rows: tuple[int, int] | None = None
 
     def on(self, device: torch.device, dtype: torch.dtype) -> LowRank:
-        return LowRank(
-            self.up.to(device, dtype).flatten(1),
-            self.down.to(device, dtype).flatten(1),
-            self.scale,
-            self.rows,
-        )
+        """The factors on ``device`` in ``dtype`` (copied asynchronously from page-locked memory)."""
+        up, down = (t.to(device, dtype, non_blocking=t.is_pinned()).flatten(1) for t in (self.up, self.down))
+        return LowRank(up, down, self.scale, self.rows)
 
     def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
         """Add ``scale × up @ down`` to ``weight``'s rows in place (a linear or convolution weight of its
