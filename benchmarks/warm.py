@@ -659,7 +659,13 @@ def one(name: str, args: argparse.Namespace) -> None:
         records, images = run_server(
             args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)), args.cpu_check
         )
-    result = {"records": records, "repeat_identical": bool(torch.equal(images[0], images[-1]))}
+    result = {
+        # The configuration as declared (the workflow, its --set overrides, the LoRA's strength …), beside
+        # its figures.
+        "arguments": CONFIGS[name],
+        "records": records,
+        "repeat_identical": bool(torch.equal(images[0], images[-1])),
+    }
     Path(args.one_out).write_text(json.dumps(result))
 
 
