@@ -26,7 +26,7 @@ from .contract import (
     check_size,
     warn,
 )
-from .devices import as_device, resolve_dtype
+from .devices import as_device, attention_order, resolve_dtype
 from .estimates import Workload
 from .models import ModelSource
 from .pool import cache
@@ -686,24 +686,25 @@ def _sample(
                 on_progress(step + 1, total, latents)
 
         try:
-            latents = pipe(
-                negative_prompt=None,
-                prompt_embeds=embeds.prompt_embeds.to(device, dtype),
-                prompt_attention_mask=embeds.prompt_mask.to(device),
-                negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
-                negative_prompt_attention_mask=embeds.negative_mask.to(device),
-                latents=latents.to(device, dtype),
-                width=latents.shape[-1] * 8,
-                height=latents.shape[-2] * 8,
-                num_inference_steps=settings.steps,
-                guidance_scale=settings.cfg,
-                num_images_per_prompt=latents.shape[0] // embeds.batch,
-                generator=generator,
-                output_type="latent",
-                use_resolution_binning=False,
-                callback=callback,
-                return_dict=False,
-            )[0]
+            with attention_order(device):
+                latents = pipe(
+                    negative_prompt=None,
+                    prompt_embeds=embeds.prompt_embeds.to(device, dtype),
+                    prompt_attention_mask=embeds.prompt_mask.to(device),
+                    negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
+                    negative_prompt_attention_mask=embeds.negative_mask.to(device),
+                    latents=latents.to(device, dtype),
+                    width=latents.shape[-1] * 8,
+                    height=latents.shape[-2] * 8,
+                    num_inference_steps=settings.steps,
+                    guidance_scale=settings.cfg,
+                    num_images_per_prompt=latents.shape[0] // embeds.batch,
+                    generator=generator,
+                    output_type="latent",
+                    use_resolution_binning=False,
+                    callback=callback,
+                    return_dict=False,
+                )[0]
         except (
             torch._dynamo.exc.BackendCompilerFailed
         ) as exc:  # fast and 8-bit compute: nothing else compiles

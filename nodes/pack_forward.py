@@ -16,7 +16,9 @@ embedding convolution — found through ComfyUI's own key map (``comfy.utils.pix
 v (and the cross-attention's k and v) are ComfyUI's fused projections, which diffusers' fused attention
 processor takes as they are. Nothing is copied but the blocks' small modulation tables, cast to the run's
 dtype. The position embedding is diffusers' with ComfyUI's base size for the image
-(``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes.
+(``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes. Its
+attention runs in torch's own backend order for the GPU (:func:`~..core.devices.attention_order`), which
+any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first.
 
 ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
 conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
@@ -28,6 +30,7 @@ import weakref
 import comfy.utils
 import torch
 
+from ..core.devices import attention_order
 from ..core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
@@ -129,13 +132,14 @@ class PackForward:
         patch = self.skeleton.config.patch_size
         # ComfyUI's base size for the position embedding (PixArtMS.forward_orig), and SMALLEST_MEAN_SIDE's.
         self.skeleton.pos_embed.base_size = (round((height + width) // 2 / 64) * 64) // patch
-        return self.skeleton(
-            hidden_states=x,
-            encoder_hidden_states=y.squeeze(1),
-            timestep=timestep,
-            added_cond_kwargs=NO_ADDED_CONDITIONS,
-            return_dict=False,
-        )[0]
+        with attention_order(x.device):
+            return self.skeleton(
+                hidden_states=x,
+                encoder_hidden_states=y.squeeze(1),
+                timestep=timestep,
+                added_cond_kwargs=NO_ADDED_CONDITIONS,
+                return_dict=False,
+            )[0]
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

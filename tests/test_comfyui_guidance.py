@@ -550,3 +550,34 @@ def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
     # Released after its run (keep_loaded off): ComfyUI has taken its object patches off again.
     assert not loaded(pack_model)
     assert not isinstance(pack_model.model.diffusion_model.forward_orig, pack_forward.PackForward)
+
+
+def test_ksamplers_attention_on_the_model_runs_in_torchs_order_for_the_gpu(comfy, pack_model, monkeypatch):
+    """Each attention call of the MODEL's forward under KSampler runs in torch's own order for a GPU that
+    prefers cuDNN's kernel (the CPU here, as one), though ComfyUI's attention context left the process's
+    order FlashAttention first; the latents are the same bits (on the CPU the order picks no other kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pixart_lowvram.core import devices
+
+    latents, _ = sample(comfy, pack_model)
+    monkeypatch.setattr(devices, "prefers_cudnn_attention", lambda _device: True)
+    cudnn_first = [int(getattr(SDPBackend, name)) for name in devices.CUDNN_FIRST]
+    seen = []
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(list(torch._C._get_sdp_priority_order())[: len(cudnn_first)])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    flash_first = [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+        SDPBackend.CUDNN_ATTENTION,
+    ]
+    with sdpa_kernel(flash_first, set_priority=True):
+        ordered, _ = sample(comfy, pack_model)
+    assert seen and all(order == cudnn_first for order in seen)
+    assert torch.equal(ordered, latents)
