@@ -77,6 +77,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,6 +205,7 @@ CONFIGS: dict[str, dict] = {
 }
 ANCHOR = next(iter(CONFIGS))
 WARM_UP = "warm-up: fill the pre-quantized cache"
+SAMPLING_NODES = ("KSampler", "PixArtQ_Sampler")  # a server row's sampling node (websocket node seconds)
 CONFIGS[WARM_UP] = {"kind": "pack", "prompts": 1}
 
 
@@ -696,8 +698,18 @@ def summary(records: list[dict], anchor: float | None) -> dict:
     out = {
         "first_seconds": records[0]["seconds"],
         "later_seconds": mean_later,
+        "later_median_seconds": statistics.median(r["seconds"] for r in later),
         "later_ratio": None if not anchor else mean_later / anchor,
     }
+    # Through a server: the sampling node's own seconds (KSampler or the Quanto PixArt Sampler), steadier
+    # than the whole prompt's.
+    sampling = [
+        next((r["node_seconds"][n] for n in SAMPLING_NODES if n in r.get("node_seconds", {})), None)
+        for r in later
+    ]
+    if sampling and None not in sampling:
+        out["later_sampling_node_seconds"] = sum(sampling) / len(sampling)
+        out["later_sampling_node_median_seconds"] = statistics.median(sampling)
     # The pack's stages alone (their sum), through a server ComfyUI's executor time, and the anchor's PNG.
     for key, values in (
         ("stages", [sum(r["stages"].values()) for r in later if r.get("stages")]),
@@ -815,6 +827,21 @@ def markdown(meta: dict, results: dict) -> str:
     for name, result in results.items():
         if "records" in result:
             lines.append(f"- {name}: " + ", ".join(f"{r['seconds']:.2f}" for r in result["records"]))
+    sampled = {
+        n: r["summary"] for n, r in results.items() if "later_sampling_node_seconds" in r.get("summary", {})
+    }
+    if sampled:
+        lines += [
+            "",
+            "Server rows, prompts 2–5: the prompt's median, and the sampling node's own seconds (KSampler or "
+            "the Quanto PixArt Sampler, its start to the next node's) as mean and median:",
+            "",
+        ]
+        lines += [
+            f"- {name}: prompt median {s['later_median_seconds']:.2f} s; sampling node "
+            f"{s['later_sampling_node_seconds']:.3f} s mean, {s['later_sampling_node_median_seconds']:.3f} s median"
+            for name, s in sampled.items()
+        ]
     return "\n".join(lines) + "\n"
 
 
