@@ -48,6 +48,30 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The arguments of the KSampler benchmarks here: the ComfyUI checkout, the model folder (see
+    :func:`model_here`), the output folder, Dynamic VRAM, and the random model's size."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--comfyui", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dynamic-vram", action="store_true")
+    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
+    return parser
+
+
+def model_here(model_dir: Path, preset: str) -> str:
+    """The device to run on ("cuda" where there is one), the transformer-only random model of ``preset``
+    built in ``model_dir`` first (fp16 on CUDA) when the folder holds no model."""
+    from pixart_lowvram.cli.random_model import build_random_pixart
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (model_dir / "model_index.json").is_file():
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        build_random_pixart(model_dir, preset, device=device, dtype=dtype, text_encoder=False)
+    return device
+
+
 def comfy_modules(comfyui: Path, dynamic: bool):
     """ComfyUI's modules from the checkout, with Dynamic VRAM started as main.py starts it when asked."""
     sys.path.insert(0, str(comfyui))
@@ -195,29 +219,21 @@ def merged_oracle(model_dir: Path, lora_path: Path, embeds, settings, seed: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comfyui", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dynamic-vram", action="store_true")
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
     args = parser.parse_args()
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
+    from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora, sampler
     from pixart_lowvram.core.models import resolve_model
     from pixart_lowvram.core.transformer import quantized_transformer
 
-    if not (args.model_dir / "model_index.json").is_file():
-        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    device = model_here(args.model_dir, args.preset)
     work = args.out / "work"
     lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
     source = resolve_model(str(args.model_dir), [])

@@ -40,7 +40,6 @@ benchmarks/model_lora.py does. On a CPU machine ``--preset tiny --size 272 --ste
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import platform
@@ -53,7 +52,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import comfy_modules, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, model_here, random_embeds  # noqa: E402
 
 CONFIGS = (
     "pack MODEL",
@@ -207,16 +206,11 @@ def slug(name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comfyui", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dynamic-vram", action="store_true")
+    parser = arguments(__doc__)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cfg", type=float, default=4.5)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
     parser.add_argument("--only", action="append", default=[], choices=CONFIGS)
     args = parser.parse_args()
 
@@ -224,14 +218,11 @@ def main() -> None:
     import importlib
 
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
-    from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
+    from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.models import resolve_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    if not (args.model_dir / "model_index.json").is_file():
-        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    device = model_here(args.model_dir, args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
     lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)

@@ -24,7 +24,6 @@ On a CPU machine ``--preset tiny --size 272 --steps 2`` checks the script.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -36,7 +35,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import comfy_modules, ksample, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, ksample, model_here, random_embeds  # noqa: E402
 from profile_ksampler import digest  # noqa: E402
 
 CONFIGS = ("pack MODEL", "pack MODEL, two passes", "core fp16", "core fp16 + Batched Guidance")
@@ -250,11 +249,7 @@ def sigmas_check(comfy, steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comfyui", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dynamic-vram", action="store_true")
+    parser = arguments(__doc__)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument(
         "--preload", action="store_true", help="load each MODEL onto the device before its first prompt"
@@ -262,7 +257,6 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cfg", type=float, default=4.5)
-    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
     parser.add_argument("--stem", default="repeat_ksampler")
     parser.add_argument("--only", action="append", default=[], choices=CONFIGS)
     args = parser.parse_args()
@@ -273,14 +267,10 @@ def main() -> None:
     import importlib
 
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
-    from pixart_lowvram.cli.random_model import build_random_pixart
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.models import resolve_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    if not (args.model_dir / "model_index.json").is_file():
-        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    device = model_here(args.model_dir, args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = sampler.SamplerSettings(
         resolve_model(str(args.model_dir), []),

@@ -13,7 +13,6 @@ run_costs_profile.txt (cProfile of one run start with the LoRA, by cumulative ti
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import dataclasses
 import io
@@ -30,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import comfy_modules, ksample, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, ksample, model_here, random_embeds  # noqa: E402
 
 
 def sync() -> None:
@@ -62,29 +61,21 @@ class Phases:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comfyui", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dynamic-vram", action="store_true")
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--preset", default="full", help="the random model's size when it is built")
     args = parser.parse_args()
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     import comfy.model_management as mm
 
-    from pixart_lowvram.cli.random_model import build_random_pixart, save_random_lora
+    from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.models import resolve_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not (args.model_dir / "model_index.json").is_file():
-        dtype = torch.float16 if device == "cuda" else torch.float32
-        build_random_pixart(args.model_dir, args.preset, device=device, dtype=dtype, text_encoder=False)
+    device = model_here(args.model_dir, args.preset)
     work = args.out / "work"
     lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
     settings = sampler.SamplerSettings(
