@@ -281,6 +281,7 @@ def main() -> None:
         "size": args.size,
         "steps": args.steps,
         "cfg": args.cfg,
+        "rank": args.rank,
         "rows": [{k: v for k, v in row.items() if k != "tables"} for row in rows],
     }
     (args.out / "profile_ksampler.json").write_text(json.dumps(result, indent=2) + "\n")
