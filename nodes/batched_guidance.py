@@ -22,16 +22,21 @@ The hook is ``model_options["sampler_calc_cond_batch_function"]`` (``ModelPatche
 set_model_sampler_calc_cond_batch_function``, in every version): :class:`BatchedGuidance` swaps each
 conditioning's ``c_crossattn`` for a :class:`PaddedCrossAttn` holding the same tensor and hands the conds to
 ComfyUI's own ``comfy.samplers.calc_cond_batch`` (or to the function set before it), which batches them as
-it batches any conds, by its free-memory rule. The pack's int8 MODEL carries it from its loader on; the
-Batched Guidance (PixArt-Σ) node sets it on a clone of any PixArt-Σ MODEL, ComfyUI's own included."""
+it batches any conds, by its free-memory rule. Each conditioning is made ready once a run, its tensors on
+the latents' device (ComfyUI would copy them there from pageable memory at every step), and let go at the
+run's end. The pack's int8 MODEL carries it from its loader on; the Batched Guidance (PixArt-Σ) node sets it
+on a clone of any PixArt-Σ MODEL, ComfyUI's own included."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import comfy.conds
 import comfy.model_base
 import comfy.samplers
+import torch
+from comfy.patcher_extension import CallbacksMP
 from comfy_api.latest import io
 
 from ..core.single_files import CAPTION_TOKENS
@@ -62,24 +67,55 @@ class PaddedCrossAttn(comfy.conds.CONDCrossAttn):
         return self.cond.device == other.cond.device and padded_length(mine[1], theirs[1]) is not None
 
 
-def _padded(cond: dict) -> dict:
-    """A sampler conditioning (``model_conds`` and the rest) whose cross-attention batches by padding."""
-    model_conds = cond.get("model_conds", {})
+def _padded(cond: dict, device: torch.device) -> dict:
+    """A sampler conditioning (``model_conds`` and the rest) whose cross-attention batches by padding, its
+    conditioning tensors on ``device`` (the latents')."""
+    model_conds = {name: _on(value, device) for name, value in cond.get("model_conds", {}).items()}
     cross = model_conds.get(CROSS_ATTN)
-    if type(cross) is not comfy.conds.CONDRegular:  # already padded, or not PixArt's
-        return cond
-    return {**cond, "model_conds": {**model_conds, CROSS_ATTN: PaddedCrossAttn(cross.cond)}}
+    if type(cross) is comfy.conds.CONDRegular:  # PixArt's, not yet padded
+        model_conds[CROSS_ATTN] = PaddedCrossAttn(cross.cond)
+    return {**cond, "model_conds": model_conds}
+
+
+def _on(value, device: torch.device):
+    """A ``CONDRegular`` (or ``CONDCrossAttn``, ``PaddedCrossAttn``) with its tensor on ``device``; any other
+    conditioning as it is."""
+    moves = type(value) in (comfy.conds.CONDRegular, comfy.conds.CONDCrossAttn, PaddedCrossAttn)
+    if not moves or not torch.is_tensor(value.cond) or value.cond.device == device:
+        return value
+    return type(value)(value.cond.to(device))
 
 
 class BatchedGuidance:
     """``sampler_calc_cond_batch_function``: the conds with :class:`PaddedCrossAttn` cross-attention, to
-    ``previous`` (a function set before this one) or ComfyUI's ``calc_cond_batch``."""
+    ``previous`` (a function set before this one) or ComfyUI's ``calc_cond_batch``.
+
+    The conds of a run are the same objects at every step; each is made ready once (:func:`_padded`: its
+    tensors moved to the latents' device, where ComfyUI would copy them there again at every step, from
+    pageable memory, and repeat the shorter one to the common length on the CPU) and kept until the run's end
+    (:func:`forget`, ComfyUI's ``ON_CLEANUP``)."""
 
     def __init__(self, previous=None):
         self.previous = previous
+        self.ready: dict[int, tuple[dict, torch.device, dict]] = {}  # id(cond) -> (cond, device, made ready)
+
+    def __deepcopy__(self, memo):  # ComfyUI's clone deep-copies model_options (v0.3.64, v0.8.0)
+        return type(self)(copy.deepcopy(self.previous, memo))
+
+    def prepared(self, cond: dict, device: torch.device, ready: dict) -> dict:
+        entry = self.ready.get(id(cond))
+        if entry is None or entry[0] is not cond or entry[1] != device:
+            entry = (cond, device, _padded(cond, device))
+        ready[id(cond)] = entry
+        return entry[2]
 
     def __call__(self, args: dict) -> list:
-        conds = [None if cond is None else [_padded(c) for c in cond] for cond in args["conds"]]
+        device, ready = args["input"].device, {}
+        conds = [
+            None if cond is None else [self.prepared(c, device, ready) for c in cond]
+            for cond in args["conds"]
+        ]
+        self.ready = ready  # this step's conds only
         if self.previous is not None:
             return self.previous({**args, "conds": conds})
         return comfy.samplers.calc_cond_batch(
@@ -90,8 +126,19 @@ class BatchedGuidance:
 KEY = "sampler_calc_cond_batch_function"
 
 
+def forget(patcher) -> None:
+    """``ON_CLEANUP``: the run's conds made ready let go (their device copies freed)."""
+    guidance = patcher.model_options.get(KEY)
+    if isinstance(guidance, BatchedGuidance):
+        guidance.ready = {}
+
+
 def applied(patcher) -> bool:
-    return isinstance(patcher.model_options.get(KEY), BatchedGuidance) and repeatable.applied(patcher)
+    return (
+        isinstance(patcher.model_options.get(KEY), BatchedGuidance)
+        and forget in patcher.get_all_callbacks(CallbacksMP.ON_CLEANUP)
+        and repeatable.applied(patcher)
+    )
 
 
 def apply(patcher) -> None:
@@ -99,6 +146,8 @@ def apply(patcher) -> None:
     what makes a prompt repeat its image (:mod:`.repeatable`)."""
     if not isinstance(patcher.model_options.get(KEY), BatchedGuidance):
         patcher.set_model_sampler_calc_cond_batch_function(BatchedGuidance(patcher.model_options.get(KEY)))
+    if forget not in patcher.get_all_callbacks(CallbacksMP.ON_CLEANUP):
+        patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, repeatable.CALLBACK_KEY, forget)
     repeatable.apply(patcher)
 
 

@@ -190,6 +190,32 @@ def test_lengths_without_a_short_common_length_stay_two_passes(comfy, pack_model
     assert batches == [1] * (2 * STEPS)
 
 
+def test_the_conds_are_made_ready_once_per_run_and_let_go_at_its_end(comfy, pack_model, monkeypatch):
+    """ComfyUI's calc_cond_batch gets the same conditioning objects at every step of a run, padded and on the
+    latents' device (not copied there again each step), and the MODEL's guidance lets them go when the run
+    ends (ON_CLEANUP)."""
+    from pixart_lowvram.nodes import batched_guidance
+
+    calc_cond_batch = comfy.samplers.calc_cond_batch
+    steps = []
+
+    def recording(model, conds, x_in, timestep, model_options):
+        steps.append((model_options[batched_guidance.KEY], [c for cond in conds if cond for c in cond], x_in))
+        return calc_cond_batch(model, conds, x_in, timestep, model_options)
+
+    monkeypatch.setattr(comfy.samplers, "calc_cond_batch", recording)
+    sample(comfy, pack_model)
+    assert len(steps) == STEPS
+    guidance, first, _x = steps[0]
+    assert len(first) == 2
+    for _guidance, conds, x_in in steps:
+        assert [id(c) for c in conds] == [id(c) for c in first]
+        for cond in conds:
+            cross = cond["model_conds"][batched_guidance.CROSS_ATTN]
+            assert isinstance(cross, batched_guidance.PaddedCrossAttn) and cross.cond.device == x_in.device
+    assert guidance.ready == {}
+
+
 def test_the_patch_node_batches_comfyuis_own_pixart(comfy, core_model):
     from pixart_lowvram.nodes.batched_guidance import PixArtBatchedGuidance
 
