@@ -29,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import arguments, comfy_modules, ksample, model_here, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, ksample, ksampler_settings, random_embeds  # noqa: E402
 
 # torch profiler's names of the host-side calls that wait for the device.
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy ", "cudaEventSynchronize")
@@ -51,24 +51,7 @@ def main() -> None:
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
 
-    from pixart_lowvram.cli.random_model import save_random_lora
-    from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.models import resolve_model
-
-    device = model_here(args.model_dir, args.preset)
-    work = args.out / "work"
-    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
-    settings = sampler.SamplerSettings(
-        resolve_model(str(args.model_dir), []),
-        width=args.size,
-        height=args.size,
-        steps=args.steps,
-        cfg=4.5,
-        quantization="qint8",
-        device=device,
-        quant_cache=work / "quantized",
-        keep_loaded=args.keep_loaded,
-    )
+    device, lora_path, settings = ksampler_settings(args, keep_loaded=args.keep_loaded)
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
     model = int8_model.load(settings)
     model, _ = comfy.sd.load_lora_for_models(model, None, lora_state, 1.0, 0)

@@ -72,6 +72,31 @@ def model_here(model_dir: Path, preset: str) -> str:
     return device
 
 
+def ksampler_settings(args, **choices):
+    """What the KSampler scripts sample with: the device, the random model in ``args.model_dir`` (built when
+    missing), a random rank-``args.rank`` LoRA of it in ``args.out``/work, and the settings (qint8,
+    ``args.size``², ``args.steps`` steps, cfg 4.5, the quantized cache in ``args.out``/work; ``choices``
+    replace any of them). Returns ``(device, lora_path, settings)``."""
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.models import resolve_model
+
+    device = model_here(args.model_dir, args.preset)
+    work = args.out / "work"
+    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
+    settings = sampler.SamplerSettings(
+        resolve_model(str(args.model_dir), []),
+        width=args.size,
+        height=args.size,
+        steps=args.steps,
+        cfg=4.5,
+        quantization="qint8",
+        device=device,
+        quant_cache=work / "quantized",
+    )
+    return device, lora_path, dataclasses.replace(settings, **choices)
+
+
 def comfy_modules(comfyui: Path, dynamic: bool):
     """ComfyUI's modules from the checkout, with Dynamic VRAM started as main.py starts it when asked."""
     sys.path.insert(0, str(comfyui))
@@ -228,26 +253,10 @@ def main() -> None:
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
-    from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora, sampler
-    from pixart_lowvram.core.models import resolve_model
     from pixart_lowvram.core.transformer import quantized_transformer
 
-    device = model_here(args.model_dir, args.preset)
-    work = args.out / "work"
-    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
-    source = resolve_model(str(args.model_dir), [])
-    settings = sampler.SamplerSettings(
-        source,
-        width=args.size,
-        height=args.size,
-        steps=args.steps,
-        cfg=4.5,
-        quantization="qint8",
-        device=device,
-        keep_loaded=True,
-        quant_cache=work / "quantized",
-    )
+    device, lora_path, settings = ksampler_settings(args, keep_loaded=True)
     embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts)]
     seed = lambda i: 1000 + i  # noqa: E731
     rows = []

@@ -52,7 +52,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import arguments, comfy_modules, model_here, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, ksampler_settings, random_embeds  # noqa: E402
 
 CONFIGS = (
     "pack MODEL",
@@ -218,24 +218,9 @@ def main() -> None:
     import importlib
 
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
-    from pixart_lowvram.cli.random_model import save_random_lora
-    from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.models import resolve_model
 
-    device = model_here(args.model_dir, args.preset)
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "work"
-    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
-    settings = sampler.SamplerSettings(
-        resolve_model(str(args.model_dir), []),
-        width=args.size,
-        height=args.size,
-        steps=args.steps,
-        cfg=args.cfg,
-        quantization="qint8",
-        device=device,
-        quant_cache=work / "quantized",
-    )
+    device, lora_path, settings = ksampler_settings(args, cfg=args.cfg)
     embeds = [random_embeds(i, settings.caption_channels) for i in range(PROMPTS)]
     wanted = args.only or list(CONFIGS)
     rows = []

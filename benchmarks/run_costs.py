@@ -29,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from model_lora import arguments, comfy_modules, ksample, model_here, random_embeds  # noqa: E402
+from model_lora import arguments, comfy_modules, ksample, ksampler_settings, random_embeds  # noqa: E402
 
 
 def sync() -> None:
@@ -71,23 +71,7 @@ def main() -> None:
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     import comfy.model_management as mm
 
-    from pixart_lowvram.cli.random_model import save_random_lora
-    from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.models import resolve_model
-
-    device = model_here(args.model_dir, args.preset)
-    work = args.out / "work"
-    lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
-    settings = sampler.SamplerSettings(
-        resolve_model(str(args.model_dir), []),
-        width=args.size,
-        height=args.size,
-        steps=args.steps,
-        cfg=4.5,
-        quantization="qint8",
-        device=device,
-        quant_cache=work / "quantized",
-    )
+    device, lora_path, settings = ksampler_settings(args)
     phases = Phases()
     run_class = int8_model._Run
     run_class.start = phases.timed("run start (ON_PRE_RUN)", run_class.start)
