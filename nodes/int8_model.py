@@ -106,45 +106,28 @@ class _HomeCopies:
 
     def _apply(self, fn, recurse=True):
         homes = self.__dict__.setdefault("_homes", {})
-        # Where, and as what, ``fn`` puts a tensor of each device and dtype (``to``, ``cuda``, ``cpu``, a dtype
-        # change), asked once per kind of tensor; None where it cannot say (nothing to copy from: the meta
-        # device, which torch's own walk below then reports).
-        targets: dict[tuple, tuple | None] = {}
-
-        def target(tensor: torch.Tensor) -> tuple | None:
-            kind = (tensor.device, tensor.dtype)
-            if kind not in targets:
-                probe = tensor.new_empty(0)
-                try:
-                    made = fn(probe)
-                except NotImplementedError:
-                    made = None
-                targets[kind] = None if made is None else (made.device, made.dtype, made is probe)
-            return targets[kind]
-
         for kind, name in self.HOMED:
             tensor = getattr(self, kind).get(name)
             if tensor is None:
                 continue
-            where = target(tensor)
-            if where is None or where[1] != tensor.dtype or where[0] == tensor.device:
+            # Where, and as what, ``fn`` puts this tensor (``to``, ``cuda``, ``cpu``, a dtype change).
+            try:
+                target = fn(tensor.new_empty(0))
+            except NotImplementedError:  # nothing to copy from (the meta device): torch says so below
+                continue
+            if target.dtype != tensor.dtype or target.device == tensor.device:
                 continue
             home, made, address = homes.get(name, (None, None, None))
-            if where[0].type == "cpu":
+            if target.device.type == "cpu":
                 if home is not None and made() is tensor and tensor.data_ptr() == address:
                     self._place(kind, name, home)
             elif tensor.device.type == "cpu":
                 home = tensor.detach()
-                if where[0].type == "cuda" and not home.is_pinned():
+                if target.device.type == "cuda" and not home.is_pinned():
                     home = home.pin_memory()
-                self._place(kind, name, home.to(where[0], non_blocking=home.is_pinned()))
+                self._place(kind, name, home.to(target.device, non_blocking=home.is_pinned()))
                 placed = getattr(self, kind)[name]
                 homes[name] = (home, weakref.ref(placed), placed.data_ptr())
-        # A layer whose every tensor is now as ``fn`` leaves it (returns it as itself) needs no walk of torch's:
-        # ComfyUI's load moves each layer up to three times (its own, its block's, the whole model's).
-        tensors = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
-        if not self._modules and all(target(t) == (t.device, t.dtype, True) for t in tensors):
-            return self
         return super()._apply(fn, recurse)
 
     def _place(self, kind: str, name: str, tensor: torch.Tensor) -> None:
