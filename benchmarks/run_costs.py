@@ -8,7 +8,8 @@ it), each phase timed with the device synchronized at its edges.
     python benchmarks/run_costs.py --comfyui ComfyUI --model-dir pixart-full --out DIR [--dynamic-vram]
 
 On a CPU machine ``--preset tiny --size 272 --steps 2`` checks the script. Writes run_costs.json and
-run_costs_profile.txt (cProfile of one run start with the LoRA, by cumulative time) to --out.
+run_costs_profile.txt (cProfile of one run start with the LoRA, by cumulative time) and, on a GPU,
+run_costs_load_profile.txt (one unload and load under torch's profiler and cProfile) to --out.
 """
 
 from __future__ import annotations
@@ -136,7 +137,42 @@ def main() -> None:
             load = phases.take().get("load_models_gpu", 0.0)
             moves.append({"homes": homes, "unload": unloaded, "load": load})
     int8_model._HomeCopies.HOMED = homed
+    # The same with the allocator's cache kept (ComfyUI's empty_cache after an unload skipped): what the
+    # device allocations cost of the load.
+    empty_cache = torch.cuda.empty_cache
+    torch.cuda.empty_cache = lambda: None
+    try:
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            mm.unload_all_models()
+            sync()
+            unloaded = time.perf_counter() - start
+            phases.take()
+            mm.load_models_gpu([with_lora])
+            load = phases.take().get("load_models_gpu", 0.0)
+            moves.append({"homes": True, "cache kept": True, "unload": unloaded, "load": load})
+    finally:
+        torch.cuda.empty_cache = empty_cache
     print("moves", json.dumps(moves), flush=True)
+    # One unload and load under torch's profiler: the host's calls into CUDA (allocations, copies,
+    # synchronizations) by their own time, and Python's by its.
+    load_profile = ""
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        python_profile = cProfile.Profile()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as traced:
+            mm.unload_all_models()
+            python_profile.enable()
+            mm.load_models_gpu([with_lora])
+            sync()
+            python_profile.disable()
+        load_profile = traced.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        listing = io.StringIO()
+        pstats.Stats(python_profile, stream=listing).sort_stats("tottime").print_stats(25)
+        load_profile += "\n\nload_models_gpu under cProfile, by own time\n" + listing.getvalue()
 
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -160,6 +196,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "run_costs.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "run_costs_profile.txt").write_text(text.getvalue())
+    if load_profile:
+        (args.out / "run_costs_load_profile.txt").write_text(load_profile)
     print(text.getvalue()[:6000])
 
 

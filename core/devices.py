@@ -94,8 +94,35 @@ def attention_order(device: torch.device):
     torch's default, FlashAttention first, for every call after it in the process. So on a GPU where torch
     prefers cuDNN's kernel (:func:`prefers_cudnn_attention`, 1.6× faster than FlashAttention-2 at PixArt-Σ's
     1024² shapes on an H200) the pack's forwards say so themselves; elsewhere nothing changes."""
+    return _priority(device, CUDNN_FIRST)
+
+
+# The cross-attention's order where the keys are a prompt's own tokens (ComfyUI's conditioning, unpadded: a
+# new length for almost every new prompt): cuDNN's kernel builds an execution plan for each shape it has not
+# met (37-41 ms a new key length at PixArt-Σ's shapes on an H200, docs/BENCHMARKS.md), FlashAttention none.
+SHORT_KEYS_FIRST = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+def cross_attention_order(device: torch.device):
+    """A context in which a cross-attention over a prompt's own tokens runs FlashAttention first, on a GPU
+    where :func:`attention_order` puts cuDNN first (elsewhere FlashAttention is first already)."""
+    return _priority(device, SHORT_KEYS_FIRST)
+
+
+@functools.cache
+def _backends(names: tuple[str, ...]) -> list | None:
+    """torch's backends of ``names``, or None where its ``sdpa_kernel`` takes no priority order."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if not prefers_cudnn_attention(device) or "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return None
+    return [getattr(SDPBackend, name) for name in names]
+
+
+def _priority(device: torch.device, names: tuple[str, ...]):
+    from torch.nn.attention import sdpa_kernel
+
+    backends = _backends(names)
+    if backends is None or not prefers_cudnn_attention(device):
         return contextlib.nullcontext()
-    return sdpa_kernel([getattr(SDPBackend, name) for name in CUDNN_FIRST], set_priority=True)
+    return sdpa_kernel(backends, set_priority=True)

@@ -18,7 +18,8 @@ processor takes as they are. Nothing is copied but the blocks' small modulation 
 dtype. The position embedding is diffusers' with ComfyUI's base size for the image
 (``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes. Its
 attention runs in torch's own backend order for the GPU (:func:`~..core.devices.attention_order`), which
-any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first.
+any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first — but
+for the cross-attention, whose keys are the prompt's own tokens (:class:`CrossAttention`).
 
 ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
 conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
@@ -30,7 +31,7 @@ import weakref
 import comfy.utils
 import torch
 
-from ..core.devices import attention_order
+from ..core.devices import attention_order, cross_attention_order
 from ..core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
@@ -70,7 +71,10 @@ class PackForward:
             for leaf in leaves:
                 delattr(attention, leaf)
             setattr(attention, FUSED[leaves], pixart.get_submodule(path))
-            attention.set_processor(FusedAttnProcessor2_0())
+            fused_processor = FusedAttnProcessor2_0()
+            attention.set_processor(
+                fused_processor if leaves == ("to_q", "to_k", "to_v") else CrossAttention(fused_processor)
+            )
         # The modulation tables: ComfyUI's parameters, cast to the run's dtype when it starts (ComfyUI's
         # blocks cast theirs on every call), held as plain attributes of diffusers' modules.
         self.tables = []
@@ -140,6 +144,25 @@ class PackForward:
                 added_cond_kwargs=NO_ADDED_CONDITIONS,
                 return_dict=False,
             )[0]
+
+
+class CrossAttention:
+    """diffusers' processor of a cross-attention, run FlashAttention first (:func:`~..core.devices.
+    cross_attention_order`). ComfyUI's conditioning is as long as its prompt, so nearly every new prompt is a
+    new key length, and cuDNN's kernel, first in the self-attention's order on Hopper, builds an execution
+    plan for every shape it has not met (37-41 ms at PixArt-Σ's shapes on an H200); FlashAttention builds
+    none. The self-attention (4096 keys at 1024², one shape an image size) stays on cuDNN's."""
+
+    def __init__(self, processor):
+        self.processor = processor
+
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
+    ):
+        with cross_attention_order(hidden_states.device):
+            return self.processor(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
+            )
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

@@ -62,6 +62,20 @@ def test_the_order_is_cudnn_first_inside_and_restored_after(gpu):
         assert order() == before
 
 
+def test_a_cross_attention_inside_runs_flashattention_first_and_restores_cudnn_first(gpu):
+    device = gpu((9, 0))
+    short_keys_first = [int(getattr(SDPBackend, name)) for name in devices.SHORT_KEYS_FIRST]
+    with sdpa_kernel(FLASH_FIRST, set_priority=True):
+        before = order()
+        with devices.attention_order(device):
+            with devices.cross_attention_order(device):
+                assert order() == short_keys_first
+            assert order() == CUDNN_FIRST
+        assert order() == before
+        with devices.cross_attention_order(gpu((8, 9))):  # FlashAttention first already: left as it is
+            assert order() == before
+
+
 def test_elsewhere_the_order_is_left_as_it_is(gpu, monkeypatch):
     with sdpa_kernel(FLASH_FIRST, set_priority=True):
         before = order()

@@ -578,10 +578,12 @@ def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
     assert not isinstance(pack_model.model.diffusion_model.forward_orig, pack_forward.PackForward)
 
 
-def test_ksamplers_attention_on_the_model_runs_in_torchs_order_for_the_gpu(comfy, pack_model, monkeypatch):
-    """Each attention call of the MODEL's forward under KSampler runs in torch's own order for a GPU that
-    prefers cuDNN's kernel (the CPU here, as one), though ComfyUI's attention context left the process's
-    order FlashAttention first; the latents are the same bits (on the CPU the order picks no other kernel)."""
+def test_ksamplers_attention_on_the_model_runs_in_its_order_for_the_gpu(comfy, pack_model, monkeypatch):
+    """Each attention call of the MODEL's forward under KSampler runs in the order the pack sets for a GPU
+    that prefers cuDNN's kernel (the CPU here, as one), though ComfyUI's attention context left the process's
+    order FlashAttention first: the self-attention in torch's own order, cuDNN first; the cross-attention,
+    whose keys are the prompt's tokens, FlashAttention first (no plan built per new length). The latents
+    are the same bits (on the CPU the order picks no other kernel)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pixart_lowvram.core import devices
@@ -589,12 +591,14 @@ def test_ksamplers_attention_on_the_model_runs_in_torchs_order_for_the_gpu(comfy
     latents, _ = sample(comfy, pack_model)
     monkeypatch.setattr(devices, "prefers_cudnn_attention", lambda _device: True)
     cudnn_first = [int(getattr(SDPBackend, name)) for name in devices.CUDNN_FIRST]
-    seen = []
+    short_keys_first = [int(getattr(SDPBackend, name)) for name in devices.SHORT_KEYS_FIRST]
+    seen = {"self": [], "cross": []}
     attention = torch.nn.functional.scaled_dot_product_attention
 
-    def recording(*args, **kwargs):
-        seen.append(list(torch._C._get_sdp_priority_order())[: len(cudnn_first)])
-        return attention(*args, **kwargs)
+    def recording(query, key, *args, **kwargs):
+        kind = "self" if key.shape[-2] == query.shape[-2] else "cross"
+        seen[kind].append(list(torch._C._get_sdp_priority_order())[: len(cudnn_first)])
+        return attention(query, key, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     flash_first = [
@@ -605,5 +609,7 @@ def test_ksamplers_attention_on_the_model_runs_in_torchs_order_for_the_gpu(comfy
     ]
     with sdpa_kernel(flash_first, set_priority=True):
         ordered, _ = sample(comfy, pack_model)
-    assert seen and all(order == cudnn_first for order in seen)
+    assert seen["self"] and all(order == cudnn_first for order in seen["self"])
+    assert seen["cross"] and all(order == short_keys_first for order in seen["cross"])
+    assert len(seen["self"]) == len(seen["cross"])
     assert torch.equal(ordered, latents)
