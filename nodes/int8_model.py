@@ -26,6 +26,7 @@ own (``unet_config``), so every PixArt-Σ-architecture model the pack reads work
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 
 import comfy.lora
@@ -110,24 +111,23 @@ class _HomeCopies:
             tensor = getattr(self, kind).get(name)
             if tensor is None:
                 continue
-            # Where, and as what, ``fn`` puts this tensor (``to``, ``cuda``, ``cpu``, a dtype change).
-            try:
-                target = fn(tensor.new_empty(0))
-            except NotImplementedError:  # nothing to copy from (the meta device): torch says so below
+            target = _placement(fn, tensor)
+            if target is None or target[1] != tensor.dtype or target[0] == tensor.device:
                 continue
-            if target.dtype != tensor.dtype or target.device == tensor.device:
-                continue
-            home, made, address = homes.get(name, (None, None, None))
-            if target.device.type == "cpu":
+            device = target[0]
+            home, made, address, pinned = homes.get(name, (None, None, None, False))
+            if device.type == "cpu":
                 if home is not None and made() is tensor and tensor.data_ptr() == address:
                     self._place(kind, name, home)
             elif tensor.device.type == "cpu":
-                home = tensor.detach()
-                if target.device.type == "cuda" and not home.is_pinned():
-                    home = home.pin_memory()
-                self._place(kind, name, home.to(target.device, non_blocking=home.is_pinned()))
+                if not _is_home(tensor, home):  # a tensor of its own (the first move, or ComfyUI's)
+                    home = tensor.detach()
+                    pinned = home.is_pinned()
+                    if device.type == "cuda" and not pinned:
+                        home, pinned = home.pin_memory(), True
+                self._place(kind, name, home.to(device, non_blocking=pinned))
                 placed = getattr(self, kind)[name]
-                homes[name] = (home, weakref.ref(placed), placed.data_ptr())
+                homes[name] = (home, weakref.ref(placed), placed.data_ptr(), pinned)
         return super()._apply(fn, recurse)
 
     def _place(self, kind: str, name: str, tensor: torch.Tensor) -> None:
@@ -139,6 +139,45 @@ class _HomeCopies:
             parameter.data = tensor  # the Parameter ComfyUI's patches and backups name stays (CPU and CUDA)
         except RuntimeError:  # tensor types that cannot share a Parameter (the meta device's)
             self._parameters[name] = torch.nn.Parameter(tensor, requires_grad=parameter.requires_grad)
+
+
+_walks = threading.local()  # per thread: the last walk's function (weakly) and its placements
+
+
+def _placement(fn, tensor: torch.Tensor) -> tuple[torch.device, torch.dtype] | None:
+    """Where, and as what, ``fn`` (``Module._apply``'s: ``to``, ``cuda``, ``cpu``, a dtype change) puts
+    ``tensor``; None where there is nothing to copy from (the meta device). torch hands one function to every
+    module of a walk (``Module.to`` makes one ``convert`` a call), so each kind of tensor (dtype and device)
+    is asked once a walk: asking is a zero-size tensor made and moved, for every tensor of every layer
+    otherwise."""
+    try:
+        ref = weakref.ref(fn)
+    except TypeError:  # a callable without weak references: asked for every tensor
+        ref = None
+    walk = getattr(_walks, "last", None)
+    if ref is None or walk is None or walk[0]() is not fn:
+        walk = (ref, {})
+        if ref is not None:
+            _walks.last = walk
+    key = (tensor.dtype, tensor.device)
+    if key not in walk[1]:
+        try:
+            made = fn(tensor.new_empty(0))
+            walk[1][key] = (made.device, made.dtype)
+        except NotImplementedError:  # torch says so in its own walk
+            walk[1][key] = None
+    return walk[1][key]
+
+
+def _is_home(tensor: torch.Tensor, home: torch.Tensor | None) -> bool:
+    """Whether a layer's CPU tensor is its home (put in place by the last move back), page-locked as it was
+    made, so that it is neither detached nor asked whether it is page-locked again."""
+    return (
+        home is not None
+        and tensor.data_ptr() == home.data_ptr()
+        and tensor.dtype == home.dtype
+        and tensor.shape == home.shape
+    )
 
 
 class Int8Ops(comfy.ops.manual_cast):

@@ -526,6 +526,40 @@ def test_the_models_layers_go_back_to_their_homes_in_cpu_memory(comfy, pack_mode
     assert layer._homes["weight"][1]() is None and layer._homes["weight_scale"][1]() is None
 
 
+def test_a_walk_asks_where_it_puts_each_kind_of_tensor_once(comfy, pack_model):
+    """Moving the whole MODEL (its transformer here, to the meta device standing for the GPU, and back),
+    each of the layers' ``_apply`` asks the walk's function where it puts a tensor of each kind (dtype and
+    device) once a walk, not once a tensor: the question is a zero-size tensor made and moved. A new walk
+    asks again, and the layers end in their homes as before."""
+    import copy
+
+    pixart = copy.deepcopy(pack_model.model.diffusion_model)
+    layers = [m for m in pixart.modules() if hasattr(m, "HOMED")]
+    kinds = {
+        (tensor.dtype, tensor.device)
+        for layer in layers
+        for kind, name in layer.HOMED
+        if (tensor := getattr(layer, kind).get(name)) is not None
+    }
+    before = {id(layer): layer.weight.data_ptr() for layer in layers}
+    asked = []
+
+    def walk(to):
+        def fn(t):
+            if t.numel() == 0:
+                asked.append((t.dtype, t.device))
+            return torch.empty_like(t, device="cpu") if t.is_meta and to == "cpu" else t.to(to)
+
+        pixart._apply(fn)
+        return len(asked)
+
+    there = walk("meta")
+    assert len(layers) > 10 and there == len(kinds) < 3 * len(layers)
+    asked.clear()
+    assert walk("cpu") == len(kinds)  # the meta tensors' kinds: asked anew, once each
+    assert {id(layer): layer.weight.data_ptr() for layer in layers} == before
+
+
 def test_the_pack_forward_computes_what_comfyuis_pixart_computes(comfy, pack_model):
     """The MODEL's forward (its object patch of ComfyUI's forward_orig: diffusers' blocks over the MODEL's
     own layers) against ComfyUI's own forward_orig on the same inputs, square and not: within fp32 rounding."""
