@@ -123,9 +123,9 @@ def main() -> None:
     # The MODEL taken off the GPU and brought back, as ComfyUI does it: from its layers' page-locked homes,
     # and as ComfyUI moves a plain MODEL (without homes: to fresh pageable memory and back).
     moves = []
-    homed = int8_model._HomeCopies.HOMED
-    for homes in (True, False, True):
-        int8_model._HomeCopies.HOMED = homed if homes else ()
+
+    def moved(**tags) -> None:
+        """The MODEL unloaded and loaded back, three times, each timed with the device synchronized."""
         for _ in range(3):
             sync()
             start = time.perf_counter()
@@ -134,24 +134,19 @@ def main() -> None:
             unloaded = time.perf_counter() - start
             phases.take()
             mm.load_models_gpu([with_lora])
-            load = phases.take().get("load_models_gpu", 0.0)
-            moves.append({"homes": homes, "unload": unloaded, "load": load})
+            moves.append({**tags, "unload": unloaded, "load": phases.take().get("load_models_gpu", 0.0)})
+
+    homed = int8_model._HomeCopies.HOMED
+    for homes in (True, False, True):
+        int8_model._HomeCopies.HOMED = homed if homes else ()
+        moved(homes=homes)
     int8_model._HomeCopies.HOMED = homed
     # The same with the allocator's cache kept (ComfyUI's empty_cache after an unload skipped): what the
     # device allocations cost of the load.
     empty_cache = torch.cuda.empty_cache
     torch.cuda.empty_cache = lambda: None
     try:
-        for _ in range(3):
-            sync()
-            start = time.perf_counter()
-            mm.unload_all_models()
-            sync()
-            unloaded = time.perf_counter() - start
-            phases.take()
-            mm.load_models_gpu([with_lora])
-            load = phases.take().get("load_models_gpu", 0.0)
-            moves.append({"homes": True, "cache kept": True, "unload": unloaded, "load": load})
+        moved(homes=True, **{"cache kept": True})
     finally:
         torch.cuda.empty_cache = empty_cache
     print("moves", json.dumps(moves), flush=True)

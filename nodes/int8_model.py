@@ -463,8 +463,18 @@ class _Run:
             return
         # The run's own work for a CFG batch at the native size, beside the expanded weights.
         run = estimates.transformer(self.scheme, self.dtype, 2, self.native**2)[1]
-        if dense + run <= comfy.model_management.get_free_memory(device):
+        free = comfy.model_management.get_free_memory(device)
+        if dense + run <= free:
             quanto.hold_dense(patcher.model, device)
+        else:
+            logger.info(
+                "PixArt-Σ MODEL: %s free on %s, under the expanded weights' %s and the run's %s: this run "
+                "expands each layer's weights at every call",
+                measure.format_bytes(free),
+                device,
+                measure.format_bytes(dense),
+                measure.format_bytes(run),
+            )
 
     def end(self, patcher) -> None:
         quanto.drop_dense(patcher.model)
