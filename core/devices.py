@@ -99,7 +99,8 @@ def attention_order(device: torch.device):
 
 # The cross-attention's order where the keys are a prompt's own tokens (ComfyUI's conditioning, unpadded: a
 # new length for almost every new prompt): cuDNN's kernel builds an execution plan for each shape it has not
-# met (37-41 ms a new key length at PixArt-Σ's shapes on an H200, docs/BENCHMARKS.md), FlashAttention none.
+# met (37-41 and 67 ms a new key length at PixArt-Σ's shapes on two H200s, docs/BENCHMARKS.md),
+# FlashAttention none.
 SHORT_KEYS_FIRST = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
