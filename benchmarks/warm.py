@@ -48,7 +48,10 @@ memory and streamed blocks; reads from disk are not counted), and what the pack'
 For the anchor also the seconds its image takes to write as ComfyUI's SaveImage writes it (PNG, compress
 level 4; not in its seconds), the server rows' share of that. A sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit (digests of
 each prompt's embeddings and latents say which stage differs when it does). ``--profile DIR`` writes torch
-profiler tables of the third prompt of each configuration.
+profiler tables of the third prompt of each configuration; for a server row, of the server's own prompt
+worker (``benchmarks/prompt_profiler``): cProfile's tables of its third prompt and torch's of its fourth.
+``--phases DIR``: each server prompt's nodes, model loads and unloads and transformer forwards timed in the
+server (host seconds, and GPU seconds and idle time from CUDA events), one JSON line a prompt.
 
     python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
 
@@ -552,6 +555,14 @@ def run_server(
     if cpu_check:
         workflow = sized_down(workflow)
     records, images = [], []
+    custom_nodes = {}
+    if config.get("profile") or config.get("phases"):  # the server's prompts timed where they run
+        os.environ |= {
+            "PROMPT_PROFILE_DIR": config.get("profile") or config["phases"],
+            "PROMPT_PROFILE_NAME": config["name"],
+            "PROMPT_PROFILE_TABLES": "1" if config.get("profile") else "0",
+        }
+        custom_nodes["prompt_profiler"] = Path(__file__).parent / "prompt_profiler"
     with comfy_server.started(
         comfyui,
         base,
@@ -559,6 +570,7 @@ def run_server(
         sys.executable,
         cpu=cpu_check,
         extra_args=tuple(config.get("args", ())),
+        custom_nodes=custom_nodes,
     ) as server:
         client = api.Client(server.url)
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
@@ -647,6 +659,13 @@ def one(name: str, args: argparse.Namespace) -> None:
     work = Path(args.work)
     if args.profile:
         config = config | {"profile": str(Path(args.profile) / (slug(name) + ".txt"))}
+    if kind == "server" and (args.profile or args.phases):
+        # The server's own prompts, in its prompt worker (benchmarks/prompt_profiler).
+        config = config | {
+            "name": slug(name),
+            "profile": args.profile and str(Path(args.profile).resolve()),
+            "phases": str(Path(args.phases or args.profile).resolve()),
+        }
     if kind == "anchor":
         records, images = run_anchor(args.model_dir)
     elif kind == "pack":
@@ -890,6 +909,9 @@ def main() -> int:
     parser.add_argument("--only", action="append", default=[], help="a configuration's name (repeatable)")
     parser.add_argument("--profile", default=None, help="a folder: torch profiler tables of prompt 3")
     parser.add_argument(
+        "--phases", default=None, help="a folder: each server prompt's nodes, loads and forwards timed"
+    )
+    parser.add_argument(
         "--cpu-check",
         action="store_true",
         help="the server rows (--only) on a CPU server, 272², 2 steps: that they run, not their numbers",
@@ -926,6 +948,9 @@ def main() -> int:
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             command += ["--profile", str(Path(args.profile).resolve())]
+        if args.phases:
+            Path(args.phases).mkdir(parents=True, exist_ok=True)
+            command += ["--phases", str(Path(args.phases).resolve())]
         if args.comfyui:
             command += ["--comfyui", str(args.comfyui)]
         if args.cpu_check:
