@@ -51,7 +51,9 @@ each prompt's embeddings and latents say which stage differs when it does). ``--
 profiler tables of the third prompt of each configuration; for a server row, of the server's own prompt
 worker (``benchmarks/prompt_profiler``): cProfile's tables of its third prompt and torch's of its fourth.
 ``--phases DIR``: each server prompt's nodes, model loads and unloads and transformer forwards timed in the
-server (host seconds, and GPU seconds and idle time from CUDA events), one JSON line a prompt.
+server (host seconds, and GPU seconds and idle time from CUDA events), one JSON line a prompt. Every server
+prompt also records the host during it (``host``: the share of the machine's CPU time stolen by the
+hypervisor and busy, and the server process's CPU seconds, from /proc), a gauge of the host's speed.
 
     python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
 
@@ -590,10 +592,12 @@ def run_server(
                 if kind == "executing":
                     starts.append((data.get("node"), time.perf_counter()))
 
+            host_before = host_cpu(server.pid)
             start = time.perf_counter()
             with DeviceUsed(enabled=not cpu_check) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
+            record["host"] = host_share(host_before, host_cpu(server.pid))
             record["device_used"] = used.peak if not cpu_check else None
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
@@ -605,6 +609,34 @@ def run_server(
         if ws is not None:
             ws.close()
     return records, images
+
+
+def host_cpu(pid: int) -> tuple[list[int], int] | None:
+    """The machine's CPU time so far in clock ticks (``/proc/stat``'s first line: user, nice, system, idle,
+    iowait, irq, softirq, steal) and the server process's own (``/proc/PID/stat``'s utime and stime; its
+    threads, not its children); None where there is no /proc."""
+    try:
+        machine = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return machine, int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def host_share(before, after) -> dict | None:
+    """What the host did during a prompt, from two :func:`host_cpu` readings: the share of all CPUs' time the
+    hypervisor gave to others (steal) and that was busy (not idle or iowait), and the server's CPU seconds.
+    A gauge of the host's speed: the same prompt's work on a host that is slower for it."""
+    if before is None or after is None:
+        return None
+    delta = [b - a for a, b in zip(before[0], after[0], strict=True)]
+    total = sum(delta) or 1
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {
+        "steal": delta[7] / total,
+        "busy": 1 - (delta[3] + delta[4]) / total,
+        "server_cpu_seconds": (after[1] - before[1]) / ticks,
+    }
 
 
 def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict) -> dict:
@@ -729,6 +761,10 @@ def summary(records: list[dict], anchor: float | None) -> dict:
     if sampling and None not in sampling:
         out["later_sampling_node_seconds"] = sum(sampling) / len(sampling)
         out["later_sampling_node_median_seconds"] = statistics.median(sampling)
+    hosts = [r["host"] for r in later if r.get("host")]
+    if len(hosts) == len(later):
+        for key in ("steal", "busy", "server_cpu_seconds"):
+            out[f"later_host_{key}"] = sum(h[key] for h in hosts) / len(hosts)
     # The pack's stages alone (their sum), through a server ComfyUI's executor time, and the anchor's PNG.
     for key, values in (
         ("stages", [sum(r["stages"].values()) for r in later if r.get("stages")]),
@@ -853,12 +889,20 @@ def markdown(meta: dict, results: dict) -> str:
         lines += [
             "",
             "Server rows, prompts 2–5: the prompt's median, and the sampling node's own seconds (KSampler or "
-            "the Quanto PixArt Sampler, its start to the next node's) as mean and median:",
+            "the Quanto PixArt Sampler, its start to the next node's) as mean and median; the host during "
+            "them (/proc/stat: the CPUs' time stolen by the hypervisor and busy, the server's own CPU "
+            "seconds):",
             "",
         ]
         lines += [
             f"- {name}: prompt median {s['later_median_seconds']:.2f} s; sampling node "
             f"{s['later_sampling_node_seconds']:.3f} s mean, {s['later_sampling_node_median_seconds']:.3f} s median"
+            + (
+                f"; host: steal {100 * s['later_host_steal']:.1f} %, busy {100 * s['later_host_busy']:.1f} %, "
+                f"the server's CPU {s['later_host_server_cpu_seconds']:.2f} s a prompt"
+                if "later_host_steal" in s
+                else ""
+            )
             for name, s in sampled.items()
         ]
     return "\n".join(lines) + "\n"
