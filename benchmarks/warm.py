@@ -106,6 +106,20 @@ PROMPTS = [
     ("a watercolour painting of a snowy mountain village", 4),
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
+REPEAT_INDEX = len(PROMPTS)
+
+
+def sequence(laps: int = 1) -> list[tuple[str, int]]:
+    """The prompts a row runs: the five, the first again, then for each lap past the first prompts 2–5
+    again (each lap's prompt follows a different one, so ComfyUI's cache of the last prompt reruns it)."""
+    return [*PROMPTS, REPEAT] + PROMPTS[1:] * (laps - 1)
+
+
+def later_records(records: list[dict]) -> list[dict]:
+    """A row's later prompts: 2–5 and every further lap's (not the first, not the repeat)."""
+    return records[1:REPEAT_INDEX] + records[REPEAT_INDEX + 1 :]
+
+
 LORA_FILE = "random_rank16_lora.safetensors"  # the LoRA rows' LoRA, written into the server's models/loras
 # --cpu-check: the server rows on a CPU server with a small model, at this size and these steps.
 CPU_CHECK = {"width": 272, "height": 272, "steps": 2}
@@ -578,7 +592,7 @@ def run_server(
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
         client.check(api.apply_overrides(workflow, sets))
         ws = client.connect()
-        for index, (text, seed) in enumerate([*PROMPTS, REPEAT]):
+        for index, (text, seed) in enumerate(sequence(config.get("laps", 1))):
             # Core's graph has no T5 Encode node: its text goes into its positive CLIPTextEncode.
             prompt = api.apply_overrides(
                 workflow, sets, prompt=None if config.get("core") else text, seed=seed
@@ -691,6 +705,8 @@ def one(name: str, args: argparse.Namespace) -> None:
     work = Path(args.work)
     if args.profile:
         config = config | {"profile": str(Path(args.profile) / (slug(name) + ".txt"))}
+    if kind == "server":
+        config = config | {"laps": args.laps}
     if kind == "server" and (args.profile or args.phases):
         # The server's own prompts, in its prompt worker (benchmarks/prompt_profiler).
         config = config | {
@@ -717,8 +733,14 @@ def one(name: str, args: argparse.Namespace) -> None:
         # its figures.
         "arguments": CONFIGS[name],
         "records": records,
-        "repeat_identical": bool(torch.equal(images[0], images[-1])),
+        "repeat_identical": bool(torch.equal(images[0], images[REPEAT_INDEX])),
     }
+    if len(images) > REPEAT_INDEX + 1:  # laps: each later lap's prompt against the first lap's
+        laps = images[REPEAT_INDEX + 1 :]
+        result["laps"] = config["laps"]
+        result["laps_identical"] = all(
+            torch.equal(image, images[1 + index % (REPEAT_INDEX - 1)]) for index, image in enumerate(laps)
+        )
     Path(args.one_out).write_text(json.dumps(result))
 
 
@@ -744,7 +766,7 @@ def slug(name: str) -> str:
 
 
 def summary(records: list[dict], anchor: float | None) -> dict:
-    later = records[1 : len(PROMPTS)]
+    later = later_records(records)
     mean_later = sum(r["seconds"] for r in later) / len(later)
     out = {
         "first_seconds": records[0]["seconds"],
@@ -802,7 +824,13 @@ def markdown(meta: dict, results: dict) -> str:
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}; {SETTINGS['width']}×{SETTINGS['height']}, "
         f"{SETTINGS['steps']} steps, cfg {SETTINGS['cfg']:g}, batch 1, "
         "full-size architecture with random weights; five prompts with their own text and seed, then the "
-        "first again. Ratios: the mean of prompts 2–5 over the anchor's. Later s: the prompt's wall clock (through "
+        "first again"
+        + (
+            f", then prompts 2–5 again, {meta['laps']} laps in all (server rows)"
+            if meta.get("laps", 1) > 1
+            else ""
+        )
+        + ". Ratios: the mean of the later prompts (2–5, and every further lap's) over the anchor's. Later s: the prompt's wall clock (through "
         "a server: submit to image downloaded); stages s: the pack's three stages alone; ComfyUI executed s: "
         "ComfyUI's own time for the prompt (its log), SaveImage's PNG included; PNG s: the anchor's image "
         "written as SaveImage writes it (not in its seconds), and through a server SaveImage's own seconds "
@@ -810,7 +838,7 @@ def markdown(meta: dict, results: dict) -> str:
         "",
         "| configuration | 1st prompt s | later s | × anchor | stages s (×) | ComfyUI executed s (×) | "
         "PNG s | later − PNG s (×) | GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | "
-        "pool GiB | host RSS GiB | card used GiB (later, server rows) | 6th = 1st |",
+        "pool GiB | host RSS GiB | card used GiB (later, server rows) | 6th = 1st (each lap = its first) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, result in results.items():
@@ -827,7 +855,7 @@ def markdown(meta: dict, results: dict) -> str:
             f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
             f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
             f"{fmt_gib(s.get('later_max_rss'))} | {fmt_gib(s.get('later_max_device_used'))} | "
-            f"{'yes' if result['repeat_identical'] else '**no**'} |"
+            f"{'yes' if result['repeat_identical'] and result.get('laps_identical', True) else '**no**'} |"
         )
     anchor = results.get(ANCHOR, {}).get("summary", {})
     if anchor.get("later_png_seconds") is not None:
@@ -888,7 +916,7 @@ def markdown(meta: dict, results: dict) -> str:
     if sampled:
         lines += [
             "",
-            "Server rows, prompts 2–5: the prompt's median, and the sampling node's own seconds (KSampler or "
+            "Server rows, the later prompts: the prompt's median, and the sampling node's own seconds (KSampler or "
             "the Quanto PixArt Sampler, its start to the next node's) as mean and median; the host during "
             "them (/proc/stat: the CPUs' time stolen by the hypervisor and busy, the server's own CPU "
             "seconds):",
@@ -936,6 +964,7 @@ def write_results(out: Path, names: list[str], results: dict, work: Path, stem: 
         "date": time.strftime("%Y-%m-%d"),
         "settings": SETTINGS,
         "prompts": PROMPTS,
+        "laps": max((r.get("laps", 1) for r in results.values()), default=1),
     }
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     text = markdown(meta, results)
@@ -959,6 +988,13 @@ def main() -> int:
         "--cpu-check",
         action="store_true",
         help="the server rows (--only) on a CPU server, 272², 2 steps: that they run, not their numbers",
+    )
+    parser.add_argument(
+        "--laps",
+        type=int,
+        default=1,
+        help="server rows: after the six prompts, prompts 2-5 again this many times less one; later = all "
+        "of them but the first and the repeat",
     )
     parser.add_argument("--stem", default="warm", help="the results' file name: STEM.json and STEM.md")
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -999,6 +1035,7 @@ def main() -> int:
             command += ["--comfyui", str(args.comfyui)]
         if args.cpu_check:
             command += ["--cpu-check"]
+        command += ["--laps", str(args.laps)]
         started = time.perf_counter()
         env = os.environ | CONFIGS[name].get("env", {})
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)

@@ -19,13 +19,14 @@ dtype. The position embedding is diffusers' with ComfyUI's base size for the ima
 (``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes. Its
 attention runs in torch's own backend order for the GPU (:func:`~..core.devices.attention_order`), which
 any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first — but
-for the cross-attention, whose keys are the prompt's own tokens (:class:`CrossAttention`).
+for the cross-attention, whose keys are the prompt's own tokens (:class:`Processor`).
 
 ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
 conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import comfy.utils
@@ -71,10 +72,7 @@ class PackForward:
             for leaf in leaves:
                 delattr(attention, leaf)
             setattr(attention, FUSED[leaves], pixart.get_submodule(path))
-            fused_processor = FusedAttnProcessor2_0()
-            attention.set_processor(
-                fused_processor if leaves == ("to_q", "to_k", "to_v") else CrossAttention(fused_processor)
-            )
+            attention.set_processor(Processor(FusedAttnProcessor2_0(), cross=leaves == ("to_k", "to_v")))
         # The modulation tables: ComfyUI's parameters, cast to the run's dtype when it starts (ComfyUI's
         # blocks cast theirs on every call), held as plain attributes of diffusers' modules.
         self.tables = []
@@ -90,13 +88,13 @@ class PackForward:
             raise ValueError(
                 f"diffusers' PixArt has weights ComfyUI's has no place for: {', '.join(left[:5])}"
             )
-        # The position embedding is made for each image's size, on its device (the native size's buffer
-        # unused: only its width is read).
+        # The position embedding is made for each image's size, on its device, once a run (:meth:`place`);
+        # the native size's buffer is not kept.
         patches = skeleton.pos_embed
-        patches.pos_embed = torch.zeros(1, 1, patches.pos_embed.shape[-1])
-        patches.height = patches.width = -1
+        self.embed_width = patches.pos_embed.shape[-1]
         patches.interpolation_scale = pixart.pe_interpolation
         self.skeleton, self.made_for = skeleton, None
+        self.unplace()
 
     def takes(self, pixart, mask) -> bool:
         """Whether diffusers' forward computes what ComfyUI's would for this call."""
@@ -117,10 +115,49 @@ class PackForward:
             clone.object_patches[OBJECT] = PackForward(model, self.config, self.unet_config)
 
     def reset(self) -> None:
-        """Drop the tables cast for a run (the run's end)."""
+        """Drop the tables cast for a run and its position embedding (the run's end)."""
         for module, leaf, _target in self.tables:
             module.__dict__.pop(leaf, None)
         self.made_for = None
+        self.unplace()
+
+    def place(self, height: int, width: int, device: torch.device) -> None:
+        """The position embedding for a ``height`` × ``width`` latent on ``device``, made once for as long as
+        the size stays: diffusers' ``PatchEmbed`` makes it anew at every call for a size other than the one
+        it holds (about 25 small GPU operations each step, at the step's start), and takes the one it holds
+        as it is for that size. Made by diffusers' own function, as ``PatchEmbed`` makes it, with ComfyUI's
+        base size for the image (``round(mean side / 64) * 64 // patch``, PixArtMS.forward_orig, and
+        SMALLEST_MEAN_SIDE's)."""
+        from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+        patches, patch = self.skeleton.pos_embed, self.skeleton.config.patch_size
+        grid = (height // patch, width // patch)
+        base_size = (round((height + width) // 2 / 64) * 64) // patch
+        key = (grid, base_size, device)
+        if self.placed == key:
+            return
+        patches.base_size = base_size
+        patches.pos_embed = (
+            get_2d_sincos_pos_embed(
+                self.embed_width,
+                grid,
+                base_size=base_size,
+                interpolation_scale=patches.interpolation_scale,
+                device=device,
+                output_type="pt",
+            )
+            .float()
+            .unsqueeze(0)
+        )
+        patches.height, patches.width = grid
+        self.placed = key
+
+    def unplace(self) -> None:
+        """No position embedding held (a small placeholder, of no size diffusers would take as its own)."""
+        patches = self.skeleton.pos_embed
+        patches.pos_embed = torch.zeros(1, 1, self.embed_width)
+        patches.height = patches.width = -1
+        self.placed = None
 
     def __call__(self, x, timestep, y, mask=None, c_size=None, c_ar=None, **kwargs):
         pixart = self.pixart()
@@ -132,10 +169,7 @@ class PackForward:
             for module, leaf, target in self.tables:
                 setattr(module, leaf, pixart.get_parameter(target).detach().to(x.device, x.dtype))
             self.made_for = (x.device, x.dtype)
-        height, width = x.shape[-2:]
-        patch = self.skeleton.config.patch_size
-        # ComfyUI's base size for the position embedding (PixArtMS.forward_orig), and SMALLEST_MEAN_SIDE's.
-        self.skeleton.pos_embed.base_size = (round((height + width) // 2 / 64) * 64) // patch
+        self.place(*x.shape[-2:], x.device)
         with attention_order(x.device):
             return self.skeleton(
                 hidden_states=x,
@@ -146,23 +180,36 @@ class PackForward:
             )[0]
 
 
-class CrossAttention:
-    """diffusers' processor of a cross-attention, run FlashAttention first (:func:`~..core.devices.
-    cross_attention_order`). ComfyUI's conditioning is as long as its prompt, so nearly every new prompt is a
-    new key length, and cuDNN's kernel, first in the self-attention's order on Hopper, builds an execution
-    plan for every shape it has not met (37-41 and 67 ms at PixArt-Σ's shapes on two H200s); FlashAttention
-    builds none. The self-attention (4096 keys at 1024², one shape an image size) stays on cuDNN's."""
+class Processor:
+    """diffusers' processor of a block's self- or cross-attention.
 
-    def __init__(self, processor):
-        self.processor = processor
+    diffusers' ``Attention.forward`` asks for its processor's signature at every call
+    (``inspect.signature``, about 20 µs on a CPU core; 1,120 calls in a 20-step prompt, 56 a step); this
+    processor's signature is computed once (``__signature__``, which ``inspect`` returns as it is).
+
+    A cross-attention runs FlashAttention first (:func:`~..core.devices.cross_attention_order`). ComfyUI's
+    conditioning is as long as its prompt, so nearly every new prompt is a new key length, and cuDNN's
+    kernel, first in the self-attention's order on Hopper, builds an execution plan for every shape it has
+    not met (37-41 and 67 ms at PixArt-Σ's shapes on two H200s); FlashAttention builds none. The
+    self-attention (4096 keys at 1024², one shape an image size) stays on cuDNN's."""
+
+    def __init__(self, processor, cross: bool):
+        self.processor, self.cross = processor, cross
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
     ):
+        if not self.cross:
+            return self.processor(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
+            )
         with cross_attention_order(hidden_states.device):
             return self.processor(
                 attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
             )
+
+
+Processor.__call__.__signature__ = inspect.signature(Processor.__call__)
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

@@ -580,6 +580,64 @@ def test_the_pack_forward_computes_what_comfyuis_pixart_computes(comfy, pack_mod
     forward.reset()
 
 
+def test_the_position_embedding_is_made_once_a_run_as_diffusers_makes_it(comfy, pack_model, monkeypatch):
+    """The MODEL's forward makes its position embedding once for a size and device (diffusers' PatchEmbed
+    would make it at every step), the same bits as made at every call, and holds none after the run."""
+    import diffusers.models.embeddings as embeddings
+
+    from pixart_lowvram.nodes import pack_forward
+
+    forward = pack_model.object_patches[pack_forward.OBJECT]
+    made = []
+    original = embeddings.get_2d_sincos_pos_embed
+    monkeypatch.setattr(
+        embeddings, "get_2d_sincos_pos_embed", lambda *a, **k: made.append(a[1]) or original(*a, **k)
+    )
+    sample(comfy, pack_model)
+    assert made == [(17, 17)]  # 34×34 latents, patch 2: one embedding for the whole run
+    assert forward.placed is None and forward.skeleton.pos_embed.pos_embed.shape == (
+        1,
+        1,
+        forward.embed_width,
+    )
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 40, 28, generator=generator)
+    timestep, y = (
+        torch.tensor([999.0, 421.0]),
+        torch.randn(2, 1, 12, caption_width(pack_model), generator=generator),
+    )
+    with torch.inference_mode():
+        kept = [forward(x, timestep, y) for _ in range(2)]
+        anew = []
+        for _ in range(2):
+            forward.unplace()
+            anew.append(forward(x, timestep, y))
+    forward.reset()
+    assert made[1:] == [(20, 14)] * 3  # the kept one made once, then once a call
+    assert all(torch.equal(a, b) for a, b in zip(kept, anew, strict=True))
+
+
+def test_no_attention_call_asks_for_its_processors_signature(comfy, pack_model, monkeypatch):
+    """diffusers' Attention asks for its processor's signature at every call; the MODEL's processors have
+    theirs made once, so a KSampler run computes none."""
+    import inspect
+
+    from pixart_lowvram.nodes import pack_forward
+
+    forward = pack_model.object_patches[pack_forward.OBJECT]
+    processors = {
+        type(module.processor) for module in forward.skeleton.modules() if hasattr(module, "processor")
+    }
+    assert processors == {pack_forward.Processor}
+    computed = []
+    original = inspect._signature_from_function
+    monkeypatch.setattr(
+        inspect, "_signature_from_function", lambda *a, **k: computed.append(a[1]) or original(*a, **k)
+    )
+    sample(comfy, pack_model)
+    assert not [function for function in computed if "Processor" in function.__qualname__]
+
+
 def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
     """Under KSampler the MODEL's steps run diffusers' blocks (each step's one batched forward), none of
     ComfyUI's; ComfyUI's own forward, the object patch taken off, samples the same latents within the
