@@ -68,6 +68,14 @@ the full-size random model in pixart-full)::
         --only "server: LoRA + KSampler, strength 0" --only "server: ComfyUI core fp16" \
         --only "server: ComfyUI core fp16 + Batched Guidance"
 
+``--laps N``: each server row runs prompts 2–5 again N − 1 times after the six (its later prompts are all
+but the first and the repeat), and every further lap's image must equal its first lap's. ``--interleave``:
+the server rows side by side, all their servers up at once and each prompt on each server in turn (the
+order rotated by one each prompt), so that every row meets the same host periods, with each row compared
+prompt by prompt against the first (and the patched core row against core's own); the card's used memory
+is not told apart per server there. ``--until SECONDS``: the server rows stop after their last whole lap
+that ends within SECONDS of the command's start (a run under a time limit keeps whole laps).
+
 ``--cpu-check`` runs server rows on a CPU server (272², 2 steps; core's graph takes the pack's T5 encode and
 VAE decode there, since CLIPLoader and VAELoader build full-size models) to check that they run, e.g. with
 the smallest model core loads (``build_random_pixart(DIR, "tiny-core")``): the same ``--only`` list with
@@ -113,6 +121,18 @@ def sequence(laps: int = 1) -> list[tuple[str, int]]:
     """The prompts a row runs: the five, the first again, then for each lap past the first prompts 2–5
     again (each lap's prompt follows a different one, so ComfyUI's cache of the last prompt reruns it)."""
     return [*PROMPTS, REPEAT] + PROMPTS[1:] * (laps - 1)
+
+
+def laps_by(laps: int, until: float | None = None):
+    """``enumerate(sequence(laps))``, but where ``until`` (a ``time.time()``) is given a lap past the first
+    starts only where, at the pace so far, it ends by then: a run with a time limit keeps whole laps."""
+    began = time.time()
+    for index, item in enumerate(sequence(laps)):
+        if until and index > REPEAT_INDEX and (index - REPEAT_INDEX - 1) % (REPEAT_INDEX - 1) == 0:
+            pace = (time.time() - began) / index
+            if time.time() + pace * (REPEAT_INDEX - 1) > until:
+                return
+        yield index, item
 
 
 def later_records(records: list[dict]) -> list[dict]:
@@ -531,9 +551,66 @@ class DeviceUsed:
 def run_server(
     model_dir: Path, comfyui: Path, config: dict, base: Path, cpu_check: bool = False
 ) -> tuple[list[dict], list[torch.Tensor]]:
-    """A workflow through a real server, one prompt at a time (submit to images downloaded): the bundled
-    basic workflow unless the configuration names another, or core's own graph; the RSS of the server's whole
-    process tree and the card's used memory after and during each."""
+    """A workflow through a real server, its prompts one at a time (:func:`server_row`)."""
+    with server_row(model_dir, comfyui, config, base, cpu_check) as prompt:
+        done = [
+            prompt(index, text, seed) for index, (text, seed) in laps_by(config["laps"], config.get("until"))
+        ]
+    return [record for record, _ in done], [image for _, image in done]
+
+
+def run_together(
+    names: list[str],
+    model_dir: Path,
+    comfyui: Path,
+    laps: int,
+    work: Path,
+    cpu_check: bool = False,
+    until: float | None = None,
+) -> dict[str, tuple[list[dict], list[torch.Tensor]]]:
+    """Server rows interleaved (``--interleave``): every row's server started and kept up, then each prompt
+    of the sequence on every server in turn, the order rotated by one each prompt, so that each row meets the
+    same host periods (the host's speed drifts over minutes, more than the rows differ). The card is shared,
+    so its used memory is not told apart per server: those rows' card used is left out."""
+    from contextlib import ExitStack
+
+    done: dict[str, tuple[list[dict], list[torch.Tensor]]] = {name: ([], []) for name in names}
+    with ExitStack() as stack:
+        rows = {
+            name: stack.enter_context(
+                server_row(
+                    model_dir,
+                    comfyui,
+                    CONFIGS[name] | {"laps": laps},
+                    Path(tempfile.mkdtemp(dir=work)),
+                    cpu_check,
+                    card_shared=True,
+                )
+            )
+            for name in names
+        }
+        for index, (text, seed) in laps_by(laps, until):
+            turn = index % len(names)
+            for position, name in enumerate(names[turn:] + names[:turn]):
+                record, image = rows[name](index, text, seed)
+                done[name][0].append(record | {"turn": position})
+                done[name][1].append(image)
+    return done
+
+
+@contextmanager
+def server_row(
+    model_dir: Path,
+    comfyui: Path,
+    config: dict,
+    base: Path,
+    cpu_check: bool = False,
+    card_shared: bool = False,
+):
+    """A workflow through a real server: the bundled basic workflow unless the configuration names another,
+    or core's own graph. Yields ``prompt(index, text, seed)``, which runs one prompt (submit to images
+    downloaded) and gives its record and image: the RSS of the server's whole process tree after it and the
+    card's used memory during it (not where ``card_shared``: other servers on the card)."""
     import comfy_server
     import numpy as np
     from PIL import Image
@@ -570,7 +647,6 @@ def run_server(
                     node["inputs"] |= {"lora_name": LORA_FILE, "strength_model": config["lora"]}
     if cpu_check:
         workflow = sized_down(workflow)
-    records, images = [], []
     custom_nodes = {}
     if config.get("profile") or config.get("phases"):  # the server's prompts timed where they run
         os.environ |= {
@@ -592,7 +668,8 @@ def run_server(
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
         client.check(api.apply_overrides(workflow, sets))
         ws = client.connect()
-        for index, (text, seed) in enumerate(sequence(config.get("laps", 1))):
+
+        def run_prompt(index: int, text: str, seed: int) -> tuple[dict, torch.Tensor]:
             # Core's graph has no T5 Encode node: its text goes into its positive CLIPTextEncode.
             prompt = api.apply_overrides(
                 workflow, sets, prompt=None if config.get("core") else text, seed=seed
@@ -608,21 +685,23 @@ def run_server(
 
             host_before = host_cpu(server.pid)
             start = time.perf_counter()
-            with DeviceUsed(enabled=not cpu_check) as used:
+            with DeviceUsed(enabled=not (cpu_check or card_shared)) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
             record["host"] = host_share(host_before, host_cpu(server.pid))
-            record["device_used"] = used.peak if not cpu_check else None
+            record["device_used"] = None if cpu_check or card_shared else used.peak
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
                 log.seek(log_start)
                 record |= server_stages(log.read().decode("utf-8", "replace"))
-            records.append(record)
             with Image.open(outcome.files[0]) as image:
-                images.append(torch.from_numpy(np.asarray(image).copy()))
-        if ws is not None:
-            ws.close()
-    return records, images
+                return record, torch.from_numpy(np.asarray(image).copy())
+
+        try:
+            yield run_prompt
+        finally:
+            if ws is not None:
+                ws.close()
 
 
 def host_cpu(pid: int) -> tuple[list[int], int] | None:
@@ -706,7 +785,7 @@ def one(name: str, args: argparse.Namespace) -> None:
     if args.profile:
         config = config | {"profile": str(Path(args.profile) / (slug(name) + ".txt"))}
     if kind == "server":
-        config = config | {"laps": args.laps}
+        config = config | {"laps": args.laps, "until": args.until_time}
     if kind == "server" and (args.profile or args.phases):
         # The server's own prompts, in its prompt worker (benchmarks/prompt_profiler).
         config = config | {
@@ -728,20 +807,39 @@ def one(name: str, args: argparse.Namespace) -> None:
         records, images = run_server(
             args.model_dir, args.comfyui, config, Path(tempfile.mkdtemp(dir=work)), args.cpu_check
         )
+    Path(args.one_out).write_text(json.dumps(result_of(name, records, images)))
+
+
+def together(names: list[str], args: argparse.Namespace) -> None:
+    """Server rows interleaved in this (fresh) process (:func:`run_together`); their results to
+    ``args.one_out``, by name."""
+    work = Path(args.work)
+    os.environ["PIXART_LOWVRAM_QUANT_CACHE"] = str(work / "quant_cache")
+    done = run_together(names, args.model_dir, args.comfyui, args.laps, work, args.cpu_check, args.until_time)
+    results = {
+        name: result_of(name, records, images) | {"interleaved": names}
+        for name, (records, images) in done.items()
+    }
+    Path(args.one_out).write_text(json.dumps(results))
+
+
+def result_of(name: str, records: list[dict], images: list[torch.Tensor]) -> dict:
+    """A row's result: its arguments, its records, and whether the repeat's image (and each later lap's)
+    equals its first; ``laps``: the laps it ran."""
     result = {
         # The configuration as declared (the workflow, its --set overrides, the LoRA's strength …), beside
         # its figures.
         "arguments": CONFIGS[name],
         "records": records,
-        "repeat_identical": bool(torch.equal(images[0], images[REPEAT_INDEX])),
+        "repeat_identical": bool(torch.equal(images[0], images[min(REPEAT_INDEX, len(images) - 1)])),
     }
     if len(images) > REPEAT_INDEX + 1:  # laps: each later lap's prompt against the first lap's
-        laps = images[REPEAT_INDEX + 1 :]
-        result["laps"] = config["laps"]
+        result["laps"] = 1 + (len(images) - REPEAT_INDEX - 1) // (REPEAT_INDEX - 1)
         result["laps_identical"] = all(
-            torch.equal(image, images[1 + index % (REPEAT_INDEX - 1)]) for index, image in enumerate(laps)
+            torch.equal(image, images[1 + index % (REPEAT_INDEX - 1)])
+            for index, image in enumerate(images[REPEAT_INDEX + 1 :])
         )
-    Path(args.one_out).write_text(json.dumps(result))
+    return result
 
 
 def fidelity(ours: Path, reference: Path) -> dict:
@@ -933,6 +1031,38 @@ def markdown(meta: dict, results: dict) -> str:
             )
             for name, s in sampled.items()
         ]
+    together = next((r["interleaved"] for r in results.values() if "interleaved" in r), None)
+    if together and all("records" in results.get(name, {}) for name in together):
+        lines += [
+            "",
+            f"Server rows interleaved: {len(together)} servers up at once, each prompt on each in turn (the order "
+            "rotated by one each prompt), so every row met the same host periods; the card is shared, so "
+            f"its used memory is not told apart per server (the rows one by one give it). Each row against "
+            f"{together[0]} (and the patched core against core's own), prompt by prompt (the same prompt's seconds over its; later prompts): the ratio of the means, "
+            "and the median and range of the per-prompt ratios:",
+            "",
+        ]
+        guided = " + Batched Guidance"  # the patched core row also against core's own
+        against = [(name, together[0]) for name in together[1:]]
+        against += [
+            (n, n.removesuffix(guided))
+            for n in together
+            if n.endswith(guided) and n[: -len(guided)] in together
+        ]
+        for name, other in against:
+            pairs = [
+                (r["seconds"], b["seconds"])
+                for r, b in zip(
+                    later_records(results[name]["records"]),
+                    later_records(results[other]["records"]),
+                    strict=True,
+                )
+            ]
+            ratios = [r / b for r, b in pairs]
+            lines.append(
+                f"- {name} against {other}: {sum(r for r, _ in pairs) / sum(b for _, b in pairs):.3f}× (median "
+                f"{statistics.median(ratios):.3f}×, {min(ratios):.2f}–{max(ratios):.2f}×)"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -996,19 +1126,41 @@ def main() -> int:
         help="server rows: after the six prompts, prompts 2-5 again this many times less one; later = all "
         "of them but the first and the repeat",
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="server rows: all their servers up at once, each prompt on each in turn (the same host periods "
+        "for every row); the card's used memory is then not told apart per server",
+    )
+    parser.add_argument(
+        "--until",
+        type=float,
+        default=None,
+        help="seconds: server rows run a further lap only where, at their pace, it ends within this many "
+        "seconds of this command's start (a run under a time limit keeps whole laps)",
+    )
     parser.add_argument("--stem", default="warm", help="the results' file name: STEM.json and STEM.md")
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--together", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--until-time", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.until is not None and args.until_time is None:
+        args.until_time = time.time() + args.until
     args.model_dir = args.model_dir.resolve()
     if args.cpu_check:
         SETTINGS.update(CPU_CHECK)
-        names = [args.one] if args.one else args.only
+        names = [args.one] if args.one else args.together or args.only
         if not names or any(CONFIGS[name]["kind"] != "server" for name in names):
             parser.error("--cpu-check takes server rows only, named with --only")
+    if args.interleave and (args.profile or args.phases):
+        parser.error("--interleave times prompts side by side; --profile and --phases take rows one by one")
     if args.one:
         one(args.one, args)
+        return 0
+    if args.together:
+        together(args.together, args)
         return 0
     names = args.only or [
         name for name, c in CONFIGS.items() if c["kind"] not in ("core", "server") or args.comfyui
@@ -1021,10 +1173,18 @@ def main() -> int:
     # The pre-quantized cache is filled first, so every pack row's first prompt reads it warm.
     if any(CONFIGS[name]["kind"] in ("pack", "server") for name in names) and not args.cpu_check:
         names = [WARM_UP, *names]
-    for name in names:
+    # Each row in a fresh process; with --interleave the server rows all in one, where the first was.
+    servers = [name for name in names if CONFIGS[name]["kind"] == "server"] if args.interleave else []
+    jobs = [[name] for name in names if name not in servers]
+    if servers:
+        first = next(i for i, name in enumerate(names) if name in servers)
+        jobs.insert(sum(1 for name in names[:first] if name not in servers), servers)
+    for job in jobs:
+        name = " + ".join(job)
         one_out = work / "one.json"
         command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--work", str(work)]
-        command += ["--one", name, "--one-out", str(one_out)]
+        command += ["--one", job[0]] if job is not servers else [a for n in job for a in ("--together", n)]
+        command += ["--one-out", str(one_out)]
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             command += ["--profile", str(Path(args.profile).resolve())]
@@ -1036,15 +1196,20 @@ def main() -> int:
         if args.cpu_check:
             command += ["--cpu-check"]
         command += ["--laps", str(args.laps)]
+        if args.until_time is not None:
+            command += ["--until-time", repr(args.until_time)]
         started = time.perf_counter()
-        env = os.environ | CONFIGS[name].get("env", {})
+        env = os.environ | {k: v for n in job for k, v in CONFIGS[n].get("env", {}).items()}
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0 or not one_out.is_file():
             lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
-            results[name] = {"error": lines[-1] if lines else f"exit {proc.returncode}"}
+            for n in job:
+                results[n] = {"error": lines[-1] if lines else f"exit {proc.returncode}"}
             print(f"{name}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
             continue
-        if name != WARM_UP:
+        if job is servers:
+            results |= json.loads(one_out.read_text())
+        elif name != WARM_UP:
             results[name] = json.loads(one_out.read_text())
         one_out.unlink()
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
