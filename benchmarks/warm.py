@@ -115,6 +115,7 @@ PROMPTS = [
 ]
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
 REPEAT_INDEX = len(PROMPTS)
+LAP = len(PROMPTS) - 1  # the prompts of each lap past the first: 2–5
 
 
 def sequence(laps: int = 1) -> list[tuple[str, int]]:
@@ -128,9 +129,9 @@ def laps_by(laps: int, until: float | None = None):
     starts only where, at the pace so far, it ends by then: a run with a time limit keeps whole laps."""
     began = time.time()
     for index, item in enumerate(sequence(laps)):
-        if until and index > REPEAT_INDEX and (index - REPEAT_INDEX - 1) % (REPEAT_INDEX - 1) == 0:
+        if until and index > REPEAT_INDEX and (index - REPEAT_INDEX - 1) % LAP == 0:
             pace = (time.time() - began) / index
-            if time.time() + pace * (REPEAT_INDEX - 1) > until:
+            if time.time() + pace * LAP > until:
                 return
         yield index, item
 
@@ -581,7 +582,7 @@ def run_together(
                 server_row(
                     model_dir,
                     comfyui,
-                    CONFIGS[name] | {"laps": laps},
+                    CONFIGS[name],
                     Path(tempfile.mkdtemp(dir=work)),
                     cpu_check,
                     card_shared=True,
@@ -668,6 +669,7 @@ def server_row(
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
         client.check(api.apply_overrides(workflow, sets))
         ws = client.connect()
+        card_measured = not (cpu_check or card_shared)
 
         def run_prompt(index: int, text: str, seed: int) -> tuple[dict, torch.Tensor]:
             # Core's graph has no T5 Encode node: its text goes into its positive CLIPTextEncode.
@@ -685,11 +687,11 @@ def server_row(
 
             host_before = host_cpu(server.pid)
             start = time.perf_counter()
-            with DeviceUsed(enabled=not (cpu_check or card_shared)) as used:
+            with DeviceUsed(enabled=card_measured) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
             record["host"] = host_share(host_before, host_cpu(server.pid))
-            record["device_used"] = None if cpu_check or card_shared else used.peak
+            record["device_used"] = used.peak if card_measured else None
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
                 log.seek(log_start)
@@ -834,9 +836,9 @@ def result_of(name: str, records: list[dict], images: list[torch.Tensor]) -> dic
         "repeat_identical": bool(torch.equal(images[0], images[min(REPEAT_INDEX, len(images) - 1)])),
     }
     if len(images) > REPEAT_INDEX + 1:  # laps: each later lap's prompt against the first lap's
-        result["laps"] = 1 + (len(images) - REPEAT_INDEX - 1) // (REPEAT_INDEX - 1)
+        result["laps"] = 1 + (len(images) - REPEAT_INDEX - 1) // LAP
         result["laps_identical"] = all(
-            torch.equal(image, images[1 + index % (REPEAT_INDEX - 1)])
+            torch.equal(image, images[1 + index % LAP])
             for index, image in enumerate(images[REPEAT_INDEX + 1 :])
         )
     return result
@@ -1047,7 +1049,7 @@ def markdown(meta: dict, results: dict) -> str:
         against += [
             (n, n.removesuffix(guided))
             for n in together
-            if n.endswith(guided) and n[: -len(guided)] in together
+            if n.endswith(guided) and n.removesuffix(guided) in together
         ]
         for name, other in against:
             pairs = [

@@ -26,6 +26,7 @@ conditions, a mask, or a position-embedding interpolation ComfyUI works out per 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 
@@ -128,14 +129,14 @@ class PackForward:
         as it is for that size. Made by diffusers' own function, as ``PatchEmbed`` makes it, with ComfyUI's
         base size for the image (``round(mean side / 64) * 64 // patch``, PixArtMS.forward_orig, and
         SMALLEST_MEAN_SIDE's)."""
-        from diffusers.models.embeddings import get_2d_sincos_pos_embed
-
         patches, patch = self.skeleton.pos_embed, self.skeleton.config.patch_size
         grid = (height // patch, width // patch)
         base_size = (round((height + width) // 2 / 64) * 64) // patch
         key = (grid, base_size, device)
         if self.placed == key:
             return
+        from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
         patches.base_size = base_size
         patches.pos_embed = (
             get_2d_sincos_pos_embed(
@@ -199,11 +200,7 @@ class Processor:
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
     ):
-        if not self.cross:
-            return self.processor(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
-            )
-        with cross_attention_order(hidden_states.device):
+        with cross_attention_order(hidden_states.device) if self.cross else contextlib.nullcontext():
             return self.processor(
                 attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
             )
