@@ -14,6 +14,7 @@ history entry). So a submit that failed on the connection is retried with the sa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -332,9 +333,26 @@ class Client:
                     time.sleep(min(remaining, POLL))
                 history = self.get(f"/history/{prompt_id}")
                 if prompt_id in history:
+                    if ws is not None and not done:
+                        # The entry is written just before the closing message is sent: a read window that
+                        # ended in between leaves that message (and any before it) for ``on_message``.
+                        self._read_closing(ws, prompt_id, bar, on_message)
                     return history[prompt_id]
                 if done:  # no closing message came: the entry is on its way
                     time.sleep(0.1)
+
+    @classmethod
+    def _read_closing(
+        cls,
+        ws: websocket.WebSocket,
+        prompt_id: str,
+        bar: tqdm,
+        on_message: Callable[[str, dict], None] | None,
+    ) -> None:
+        """The prompt's messages still on their way once its history entry is there, up to its closing one
+        or :data:`CLOSING_GRACE` seconds."""
+        with contextlib.suppress(OSError, websocket.WebSocketException):  # quiet, or closed: the entry counts
+            cls._read(ws, prompt_id, CLOSING_GRACE, bar, on_message)
 
     @staticmethod
     def _read(

@@ -263,12 +263,20 @@ class QuietSocket:
         assert seconds > 0
 
     def recv(self) -> str:
-        if not self.messages:
+        if not self.messages or self.messages[0] == json.dumps(QUIET):
+            if self.messages:
+                self.messages.pop(0)
             raise client.websocket.WebSocketTimeoutException("quiet")
         return self.messages.pop(0)
 
 
-def follow(monkeypatch, messages: list[dict], written_when_left: int) -> tuple[dict, list[int]]:
+# In QuietSocket's messages: the socket falls quiet there (a read window ends) before the messages after it.
+QUIET = {"quiet": True}
+
+
+def follow(
+    monkeypatch, messages: list[dict], written_when_left: int, on_message=None
+) -> tuple[dict, list[int]]:
     """``Client.wait`` on a prompt whose history entry exists once at most ``written_when_left`` of its
     messages are still to come; the entry and how many messages were left at each /history read. Sleeping
     fails the test: the client must not have to guess when the entry is written."""
@@ -282,7 +290,7 @@ def follow(monkeypatch, messages: list[dict], written_when_left: int) -> tuple[d
 
     monkeypatch.setattr(api, "get", get)
     monkeypatch.setattr(client.time, "sleep", lambda seconds: pytest.fail(f"slept {seconds} s"))
-    return api.wait(ws, "p1", 30.0, None), reads
+    return api.wait(ws, "p1", 30.0, None, on_message), reads
 
 
 def test_wait_reads_the_history_after_the_closing_message(monkeypatch):
@@ -306,3 +314,20 @@ def test_wait_reads_the_history_when_no_closing_message_comes(monkeypatch):
         monkeypatch, [{"type": "execution_success", "data": {"prompt_id": "p1"}}], written_when_left=0
     )
     assert entry["status"]["status_str"] == "success" and reads == [0]
+
+
+def test_wait_hands_on_the_closing_message_when_the_history_came_first(monkeypatch):
+    """A read window that ends after the entry is written and before the closing message is read: the
+    client reads that message before it returns, so ``on_message`` sees every message of the prompt (the
+    benchmarks time each node from them)."""
+    messages = [
+        {"type": "executing", "data": {"node": "1", "prompt_id": "p1"}},
+        QUIET,
+        {"type": "executing", "data": {"node": None, "prompt_id": "p1"}},
+    ]
+    seen = []
+    entry, reads = follow(
+        monkeypatch, messages, written_when_left=1, on_message=lambda kind, data: seen.append(data["node"])
+    )
+    assert entry["status"]["status_str"] == "success" and reads == [1]
+    assert seen == ["1", None]
