@@ -96,7 +96,7 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -573,8 +573,6 @@ def run_together(
     of the sequence on every server in turn, the order rotated by one each prompt, so that each row meets the
     same host periods (the host's speed drifts over minutes, more than the rows differ). The card is shared,
     so its used memory is not told apart per server: those rows' card used is left out."""
-    from contextlib import ExitStack
-
     done: dict[str, tuple[list[dict], list[torch.Tensor]]] = {name: ([], []) for name in names}
     with ExitStack() as stack:
         rows = {
