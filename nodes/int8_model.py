@@ -415,13 +415,14 @@ class _Run:
     for each layer's weight, and the weights held expanded where the device has the room.
 
     Plain LoRA patches (what ComfyUI's LoRA loaders make of a LoRA file) are read once per set of patches
-    (ComfyUI's ``patches_uuid``) into page-locked factors in CPU memory, in the compute dtype; each run copies
-    them to the device (asynchronously) and folds them into the expanded weights (:class:`_Fold`), or adds
-    them beside an 8-bit product. Any other patch goes through ComfyUI's own ``calculate_weight``."""
+    (ComfyUI's ``patches_uuid``) into factors in CPU memory, in the compute dtype, all of them in one
+    page-locked block (:class:`_Factors`); each run copies that block to the device in one asynchronous copy
+    and folds the factors into the expanded weights (:class:`_Fold`), or adds them beside an 8-bit product.
+    Any other patch goes through ComfyUI's own ``calculate_weight``."""
 
     def __init__(self, settings: SamplerSettings):
         self.scheme, self.dtype, self.native = settings.scheme, settings.dtype, settings.native_size
-        self.read: tuple[object, dict[str, tuple[compute_paths.LowRank, ...] | None]] | None = None
+        self.read: tuple[object, _Factors] | None = None
 
     def layers(self, patcher):
         prefix = "diffusion_model."
@@ -429,7 +430,7 @@ class _Run:
             if isinstance(layer, (quanto.ScaledWeightLinear, quanto.ScaledWeightConv2d)):
                 yield f"{prefix}{name}.weight", layer
 
-    def factors(self, patcher) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
+    def factors(self, patcher) -> _Factors:
         """Each patched layer's plain LoRAs as low-rank factors in CPU memory (None: a patch that is not a
         plain LoRA), read once for the patcher's set of patches."""
         if self.read is None or self.read[0] != patcher.patches_uuid:
@@ -438,11 +439,12 @@ class _Run:
                 patches = patcher.patches.get(key)
                 if patches:
                     read[key] = _plain_loras(patches, layer.weight_scale.dtype)
-            self.read = (patcher.patches_uuid, read)
+            self.read = (patcher.patches_uuid, _Factors(read))
         return self.read[1]
 
     def start(self, patcher) -> None:
-        factors, device = self.factors(patcher), patcher.load_device
+        read, device = self.factors(patcher), patcher.load_device
+        factors = read.on(device)
         for key, layer in self.layers(patcher):
             eight_bit = getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16
             if key in factors and factors[key] is None:  # patches that are not plain LoRAs
@@ -450,8 +452,7 @@ class _Run:
                     _refuse_beside_8_bit(patcher.patches[key], key, layer)
                 layer.weight_patch = _Patches(patcher.patches[key], key)
                 continue
-            dtype = layer.weight_scale.dtype
-            branches = tuple(branch.on(device, dtype) for branch in factors.get(key) or ())
+            branches = factors.get(key) or ()
             if eight_bit:
                 layer.low_rank = branches
             else:
@@ -508,8 +509,8 @@ def _plain_lora(patch: tuple) -> bool:
 
 def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRank, ...] | None:
     """A layer's ComfyUI patches as low-rank factors when every one is a plain LoRA (:func:`_plain_lora`),
-    each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``, page-locked where CUDA
-    is. None when a patch is of another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
+    each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``. None when a patch is of
+    another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
     if not all(_plain_lora(patch) for patch in patches):
         return None
     branches = []
@@ -517,11 +518,51 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
         up, down, alpha = adapter.weights[:3]
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
-        up, down = (t.to(dtype).flatten(1).contiguous() for t in (up, down))
-        if torch.cuda.is_available():
-            up, down = up.pin_memory(), down.pin_memory()
+        up, down = (t.to(dtype).flatten(1) for t in (up, down))
         branches.append(compute_paths.LowRank(up, down, scale, rows))
     return tuple(branches)
+
+
+class _Factors(dict):
+    """A set of patches' plain LoRAs (layer key -> its branches, None for a layer with another kind of patch;
+    :func:`_plain_loras`), every factor a view of one block of CPU memory per dtype, page-locked where CUDA is.
+    :meth:`on` puts them on a device with one copy a block, where a copy a factor was two a LoRA and layer
+    (560 for a LoRA on every attention and feed-forward layer of PixArt-Σ, each with its own launch)."""
+
+    def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | None]):
+        sizes: dict[torch.dtype, int] = {}
+        for branch in (b for branches in read.values() for b in branches or ()):
+            for tensor in (branch.up, branch.down):
+                sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
+        pinned = torch.cuda.is_available()
+        self.blocks = {dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in sizes.items()}
+        filled = dict.fromkeys(self.blocks, 0)
+
+        def into_block(tensor: torch.Tensor) -> torch.Tensor:
+            start = filled[tensor.dtype]
+            filled[tensor.dtype] += tensor.numel()
+            view = self.blocks[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
+            return view.copy_(tensor)
+
+        super().__init__(
+            (key, None if branches is None else tuple(_moved(b, into_block) for b in branches))
+            for key, branches in read.items()
+        )
+
+    def on(self, device: torch.device) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
+        """The same branches with their factors on ``device`` (asynchronously from page-locked memory)."""
+        blocks = {
+            dtype: block.to(device, non_blocking=block.is_pinned()) for dtype, block in self.blocks.items()
+        }
+
+        def there(tensor: torch.Tensor) -> torch.Tensor:
+            return blocks[tensor.dtype].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+        return {key: None if b is None else tuple(_moved(x, there) for x in b) for key, b in self.items()}
+
+
+def _moved(branch: compute_paths.LowRank, move) -> compute_paths.LowRank:
+    return compute_paths.LowRank(move(branch.up), move(branch.down), branch.scale, branch.rows)
 
 
 def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:

@@ -423,6 +423,29 @@ def test_plain_loras_fold_into_the_weights_as_comfyui_sums_them(comfy, lora_mode
     run.read = None
 
 
+def test_a_runs_lora_factors_are_one_block_copied_once(comfy, lora_model):
+    """The factors of a set of patches lie in one block of CPU memory (one a dtype), and a run's copy of them
+    is one block on the device (the meta device stands for the GPU here) holding every factor at its place:
+    the same shapes, and on the CPU the same values without a copy."""
+    run = run_of(lora_model)
+    factors = run.factors(lora_model)
+    tensors = [t for branches in factors.values() for b in branches for t in (b.up, b.down)]
+    (block,) = factors.blocks.values()
+    assert len(tensors) > 2 and block.numel() == sum(t.numel() for t in tensors)
+    assert all(t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for t in tensors)
+
+    there = factors.on(torch.device("meta"))
+    moved = [t for branches in there.values() for b in branches for t in (b.up, b.down)]
+    assert [t.shape for t in moved] == [t.shape for t in tensors]
+    assert all(t.is_meta and t.untyped_storage().nbytes() == block.untyped_storage().nbytes() for t in moved)
+
+    here = factors.on(torch.device("cpu"))
+    kept = [t for branches in here.values() for b in branches for t in (b.up, b.down)]
+    assert all(t.data_ptr() == s.data_ptr() and torch.equal(t, s) for t, s in zip(kept, tensors, strict=True))
+    assert [b.scale for bs in here.values() for b in bs] == [b.scale for bs in factors.values() for b in bs]
+    run.read = None
+
+
 def test_a_run_with_the_fold_samples_what_comfyuis_sum_samples(comfy, pack_model, lora_model, monkeypatch):
     """The whole run: LoRAs folded by the pack, against the same patches summed by ComfyUI's own
     calculate_weight (every patch taken as one the fold does not know); the LoRA changes the latents."""
