@@ -136,14 +136,14 @@ class _HomeCopies:
         block (page-locked for a GPU) where they are not all the homes of the current one."""
         device = leaving[0][3]
         names = tuple(name for _kind, name, _tensor, _device in leaving)
-        block = self.__dict__.get("_block")
+        held, block = self.__dict__.get("_block", (None, None))
         if (
-            block is None
-            or block.names != names
+            held != names
             or (device.type == "cuda" and not block.pinned)
             or not all(_is_home(tensor, homes.get(name, (None,))[0]) for _k, name, tensor, _d in leaving)
         ):
-            block = self._block = _Block([tensor for *_, tensor, _device in leaving], names, device)
+            block = _Block([tensor for *_, tensor, _device in leaving], pinned=device.type == "cuda")
+            self._block = (names, block)
             for name, home in zip(names, block.views(block.memory), strict=True):
                 homes[name] = (home, None, None)
         there = block.memory.to(device, non_blocking=block.pinned)
@@ -203,13 +203,14 @@ def _is_home(tensor: torch.Tensor, home: torch.Tensor | None) -> bool:
 
 
 class _Block:
-    """One block of CPU memory holding copies of a layer's tensors (``names``) one after another, each at an
-    offset aligned for any dtype; page-locked when they leave for a GPU."""
+    """One block of CPU memory holding copies of ``tensors`` one after another, each at an offset aligned for
+    any dtype (page-locked when ``pinned``), so that they move to a device in one copy and are views of one
+    block there (:meth:`views`)."""
 
     ALIGN = 64
 
-    def __init__(self, tensors: list[torch.Tensor], names: tuple[str, ...], device: torch.device):
-        self.names, self.pinned = names, device.type == "cuda"
+    def __init__(self, tensors: list[torch.Tensor], pinned: bool):
+        self.pinned = pinned
         self.layout, size = [], 0
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
@@ -572,44 +573,31 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
 
 class _Factors(dict):
     """A set of patches' plain LoRAs (layer key -> its branches, None for a layer with another kind of patch;
-    :func:`_plain_loras`), every factor a view of one block of CPU memory per dtype, page-locked where CUDA is.
-    :meth:`on` puts them on a device with one copy a block, where a copy a factor was two a LoRA and layer
+    :func:`_plain_loras`), every factor a view of one block of CPU memory (:class:`_Block`), page-locked where
+    CUDA is. :meth:`on` puts them on a device with one copy, where a copy a factor was two a LoRA and layer
     (560 for a LoRA on every attention and feed-forward layer of PixArt-Σ, each with its own launch)."""
 
     def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | None]):
-        sizes: dict[torch.dtype, int] = {}
-        for branch in (b for branches in read.values() for b in branches or ()):
-            for tensor in (branch.up, branch.down):
-                sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
-        pinned = torch.cuda.is_available()
-        self.blocks = {dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in sizes.items()}
-        filled = dict.fromkeys(self.blocks, 0)
-
-        def into_block(tensor: torch.Tensor) -> torch.Tensor:
-            start = filled[tensor.dtype]
-            filled[tensor.dtype] += tensor.numel()
-            view = self.blocks[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
-            return view.copy_(tensor)
-
-        super().__init__(
-            (key, None if branches is None else tuple(_moved(b, into_block) for b in branches))
-            for key, branches in read.items()
-        )
+        factors = [tensor for branches in read.values() for b in branches or () for tensor in (b.up, b.down)]
+        self.block = _Block(factors, pinned=torch.cuda.is_available())
+        super().__init__(_with_factors(read, self.block.views(self.block.memory)))
 
     def on(self, device: torch.device) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
         """The same branches with their factors on ``device`` (asynchronously from page-locked memory)."""
-        blocks = {
-            dtype: block.to(device, non_blocking=block.is_pinned()) for dtype, block in self.blocks.items()
-        }
-
-        def there(tensor: torch.Tensor) -> torch.Tensor:
-            return blocks[tensor.dtype].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
-
-        return {key: None if b is None else tuple(_moved(x, there) for x in b) for key, b in self.items()}
+        there = self.block.memory.to(device, non_blocking=self.block.pinned)
+        return dict(_with_factors(self, self.block.views(there)))
 
 
-def _moved(branch: compute_paths.LowRank, move) -> compute_paths.LowRank:
-    return compute_paths.LowRank(move(branch.up), move(branch.down), branch.scale, branch.rows)
+def _with_factors(read: dict, factors: list[torch.Tensor]):
+    """``read``'s keys and branches, each branch's ``up`` and ``down`` taken in turn from ``factors``."""
+    taken = iter(factors)
+    for key, branches in read.items():
+        yield (
+            key,
+            None
+            if branches is None
+            else tuple(compute_paths.LowRank(next(taken), next(taken), b.scale, b.rows) for b in branches),
+        )
 
 
 def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:

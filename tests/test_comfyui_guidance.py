@@ -424,14 +424,14 @@ def test_plain_loras_fold_into_the_weights_as_comfyui_sums_them(comfy, lora_mode
 
 
 def test_a_runs_lora_factors_are_one_block_copied_once(comfy, lora_model):
-    """The factors of a set of patches lie in one block of CPU memory (one a dtype), and a run's copy of them
+    """The factors of a set of patches lie in one block of CPU memory, and a run's copy of them
     is one block on the device (the meta device stands for the GPU here) holding every factor at its place:
     the same shapes, and on the CPU the same values without a copy."""
     run = run_of(lora_model)
     factors = run.factors(lora_model)
     tensors = [t for branches in factors.values() for b in branches for t in (b.up, b.down)]
-    (block,) = factors.blocks.values()
-    assert len(tensors) > 2 and block.numel() == sum(t.numel() for t in tensors)
+    block = factors.block.memory
+    assert len(tensors) > 2 and block.numel() >= sum(t.numel() * t.element_size() for t in tensors)
     assert all(t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr() for t in tensors)
 
     there = factors.on(torch.device("meta"))
@@ -564,9 +564,9 @@ def test_a_layer_leaves_the_cpu_in_one_copy(comfy, pack_model):
     names = ("weight", "weight_scale", "bias")
     values = {name: getattr(layer, name).clone() for name in names}
     layer.to(torch.device("meta"))
-    block = layer._block
+    held, block = layer._block
     storages = {getattr(layer, name).untyped_storage().nbytes() for name in names}
-    assert storages == {block.memory.numel()}  # one block on the device, all three in it
+    assert held == names and storages == {block.memory.numel()}  # one block on the device, all three in it
     assert [getattr(layer, name).dtype for name in names] == [values[name].dtype for name in names]
     assert [getattr(layer, name).shape for name in names] == [values[name].shape for name in names]
     homes = [layer._homes[name][0] for name in names]
@@ -575,11 +575,11 @@ def test_a_layer_leaves_the_cpu_in_one_copy(comfy, pack_model):
 
     layer._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t.to("cpu"))
     layer.to(torch.device("meta"))
-    assert layer._block is block  # the same homes: the same block leaves again
+    assert layer._block[1] is block  # the same homes: the same block leaves again
     layer._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t.to("cpu"))
     layer.bias = torch.nn.Parameter(values["bias"] + 1, requires_grad=False)  # a bias of ComfyUI's own
     layer.to(torch.device("meta"))
-    assert layer._block is not block
+    assert layer._block[1] is not block
     layer._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t.to("cpu"))
     assert torch.equal(layer.weight, values["weight"]) and torch.equal(layer.bias, values["bias"] + 1)
 
