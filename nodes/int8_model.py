@@ -95,24 +95,18 @@ def _unset(layer, bias: bool) -> None:
 class _HomeCopies:
     """A layer of the MODEL whose tensors (its 8-bit weight, scales and bias) keep a home in CPU memory,
     page-locked. ComfyUI moves the MODEL with ``Module.to`` (its load, and its unload to the offload device):
-    here moving a layer off the CPU copies its tensors from their homes (asynchronously: a home never
-    changes) and keeps the homes; moving it back puts the homes in place. Nothing is copied back, since the
-    weights never change (LoRA patches are added at run time, and a patch ComfyUI writes into a bias is undone
-    before it unloads). So a MODEL that leaves the GPU between prompts (``keep_loaded`` off) costs one copy at
-    full speed a prompt, not ComfyUI's copy to fresh pageable memory and back.
-
-    The homes of the tensors that leave together are views of one block (:class:`_Block`), so a layer leaves
-    in one copy, its tensors views of one block on the device: a third of the copies a load makes (ComfyUI
-    walks the layers one by one, each copy its own launch and allocation). A tensor that is not the one made
-    from its home (another dtype, one ComfyUI put in its place) moves as torch moves it, or gets a new block
-    with the others when it leaves the CPU. The device copy is known by a weak reference, so the home holds
-    no device memory."""
+    here moving a layer off the CPU copies each tensor from its home (asynchronously: a home never changes)
+    and keeps the home; moving it back puts the home in place. Nothing is copied back, since the weights
+    never change (LoRA patches are added at run time, and a patch ComfyUI writes into a bias is undone before
+    it unloads). So a MODEL that leaves the GPU between prompts (``keep_loaded`` off) costs one copy at full
+    speed a prompt, not ComfyUI's copy to fresh pageable memory and back. A tensor that is not the one made
+    from its home (another dtype, one ComfyUI put in its place) moves as torch moves it. The device copy is
+    known by a weak reference, so the home holds no device memory."""
 
     HOMED = (("_buffers", "weight"), ("_buffers", "weight_scale"), ("_parameters", "bias"))
 
     def _apply(self, fn, recurse=True):
         homes = self.__dict__.setdefault("_homes", {})
-        leaving = []  # (kind, name, tensor, device): off the CPU, from their homes
         for kind, name in self.HOMED:
             tensor = getattr(self, kind).get(name)
             if tensor is None:
@@ -121,36 +115,20 @@ class _HomeCopies:
             if target is None or target[1] != tensor.dtype or target[0] == tensor.device:
                 continue
             device = target[0]
+            home, made, address, pinned = homes.get(name, (None, None, None, False))
             if device.type == "cpu":
-                home, made, address = homes.get(name, (None, None, None))
                 if home is not None and made() is tensor and tensor.data_ptr() == address:
                     self._place(kind, name, home)
             elif tensor.device.type == "cpu":
-                leaving.append((kind, name, tensor, device))
-        if len({device for *_, device in leaving}) == 1:  # one device (Module.to's); else torch moves them
-            self._leave(leaving, homes)
+                if not _is_home(tensor, home):  # a tensor of its own (the first move, or ComfyUI's)
+                    home = tensor.detach()
+                    pinned = home.is_pinned()
+                    if device.type == "cuda" and not pinned:
+                        home, pinned = home.pin_memory(), True
+                self._place(kind, name, home.to(device, non_blocking=pinned))
+                placed = getattr(self, kind)[name]
+                homes[name] = (home, weakref.ref(placed), placed.data_ptr(), pinned)
         return super()._apply(fn, recurse)
-
-    def _leave(self, leaving: list, homes: dict) -> None:
-        """Put ``leaving``'s tensors on their device with one copy of the block holding their homes; a new
-        block (page-locked for a GPU) where they are not all the homes of the current one."""
-        device = leaving[0][3]
-        names = tuple(name for _kind, name, _tensor, _device in leaving)
-        held, block = self.__dict__.get("_block", (None, None))
-        if (
-            held != names
-            or (device.type == "cuda" and not block.pinned)
-            or not all(_is_home(tensor, homes.get(name, (None,))[0]) for _k, name, tensor, _d in leaving)
-        ):
-            block = _Block([tensor for *_, tensor, _device in leaving], pinned=device.type == "cuda")
-            self._block = (names, block)
-            for name, home in zip(names, block.views(block.memory), strict=True):
-                homes[name] = (home, None, None)
-        there = block.memory.to(device, non_blocking=block.pinned)
-        for (kind, name, _tensor, _device), view in zip(leaving, block.views(there), strict=True):
-            self._place(kind, name, view)
-            placed = getattr(self, kind)[name]
-            homes[name] = (homes[name][0], weakref.ref(placed), placed.data_ptr())
 
     def _place(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         if kind == "_buffers":
@@ -200,32 +178,6 @@ def _is_home(tensor: torch.Tensor, home: torch.Tensor | None) -> bool:
         and tensor.dtype == home.dtype
         and tensor.shape == home.shape
     )
-
-
-class _Block:
-    """One block of CPU memory holding copies of ``tensors`` one after another, each at an offset aligned for
-    any dtype (page-locked when ``pinned``), so that they move to a device in one copy and are views of one
-    block there (:meth:`views`)."""
-
-    ALIGN = 64
-
-    def __init__(self, tensors: list[torch.Tensor], pinned: bool):
-        self.pinned = pinned
-        self.layout, size = [], 0
-        for tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            self.layout.append((size, nbytes, tensor.dtype, tensor.shape))
-            size += -(-nbytes // self.ALIGN) * self.ALIGN
-        self.memory = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
-        for tensor, view in zip(tensors, self.views(self.memory), strict=True):
-            view.copy_(tensor)
-
-    def views(self, memory: torch.Tensor) -> list[torch.Tensor]:
-        """The tensors as views of ``memory`` (this block, or a copy of it on a device)."""
-        return [
-            memory[offset : offset + nbytes].view(dtype).view(shape)
-            for offset, nbytes, dtype, shape in self.layout
-        ]
 
 
 class Int8Ops(comfy.ops.manual_cast):
@@ -491,8 +443,8 @@ class _Run:
         return self.read[1]
 
     def start(self, patcher) -> None:
-        read, device = self.factors(patcher), patcher.load_device
-        factors = read.on(device)
+        device = patcher.load_device
+        factors = self.factors(patcher).on(device)
         for key, layer in self.layers(patcher):
             eight_bit = getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16
             if key in factors and factors[key] is None:  # patches that are not plain LoRAs
@@ -598,6 +550,32 @@ def _with_factors(read: dict, factors: list[torch.Tensor]):
             if branches is None
             else tuple(compute_paths.LowRank(next(taken), next(taken), b.scale, b.rows) for b in branches),
         )
+
+
+class _Block:
+    """One block of CPU memory holding copies of ``tensors`` one after another, each at an offset aligned for
+    any dtype (page-locked when ``pinned``), so that they move to a device in one copy and are views of one
+    block there (:meth:`views`)."""
+
+    ALIGN = 64
+
+    def __init__(self, tensors: list[torch.Tensor], pinned: bool):
+        self.pinned = pinned
+        self.layout, size = [], 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.layout.append((size, nbytes, tensor.dtype, tensor.shape))
+            size += -(-nbytes // self.ALIGN) * self.ALIGN
+        self.memory = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        for tensor, view in zip(tensors, self.views(self.memory), strict=True):
+            view.copy_(tensor)
+
+    def views(self, memory: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors as views of ``memory`` (this block, or a copy of it on a device)."""
+        return [
+            memory[offset : offset + nbytes].view(dtype).view(shape)
+            for offset, nbytes, dtype, shape in self.layout
+        ]
 
 
 def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:
