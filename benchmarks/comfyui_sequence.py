@@ -77,6 +77,8 @@ from pixart_lowvram.cli import client as api
 REPO = comfy_server.REPO
 API_WORKFLOWS = REPO / "workflows" / "api"
 BASE_WORKFLOW = API_WORKFLOWS / "pixart_lowvram_basic_api.json"
+# Needs ComfyUI-Distributed's nodes beside the pack (tests/test_comfyui_distributed.py runs it).
+DISTRIBUTED_WORKFLOW = API_WORKFLOWS / "pixart_lowvram_distributed_api.json"
 T5, SAMPLER = "PixArtQ_T5Encode", "PixArtQ_Sampler"
 NODE_IDS = (T5, SAMPLER, "PixArtQ_VAEDecode", "PixArtQ_FreeVRAM", "PixArtQ_MemorySnapshot")
 KEPT_MODELS = 3  # T5, transformer, VAE: what keep_loaded on every node keeps
@@ -118,7 +120,9 @@ class Settings:
     limit_mib: float = 64.0
     prompt_timeout: float = 600.0
     free_timeout: float = 120.0
-    workflows: list[Path] = field(default_factory=lambda: sorted(API_WORKFLOWS.glob("*_api.json")))
+    workflows: list[Path] = field(
+        default_factory=lambda: sorted(set(API_WORKFLOWS.glob("*_api.json")) - {DISTRIBUTED_WORKFLOW})
+    )
 
 
 # ---- prompts ----------------------------------------------------------------------------------------

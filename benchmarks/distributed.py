@@ -1,8 +1,9 @@
 """Images per minute through ComfyUI-Distributed: a master and ``--servers`` - 1 workers, each a ComfyUI on
 127.0.0.1 and its own free port with the pack and the engine in its custom_nodes/ and the model in its
-models/diffusers/, the workers set in the master's engine config through the engine's API, and the docs'
-example workflow (docs/pixart_lowvram_distributed_api.json: the basic workflow with a DistributedSeed and a
-DistributedCollector) queued ``--prompts`` times through ``POST /distributed/queue``, one after another.
+models/diffusers/, the workers set in the master's engine config through the engine's API, and the
+example workflow (workflows/api/pixart_lowvram_distributed_api.json: the basic workflow with a
+DistributedSeed and a DistributedCollector) queued ``--prompts`` times through ``POST /distributed/queue``,
+one after another.
 Each prompt gives one image per server; the figure is images saved by the master over the wall time from
 the first queue to the last prompt's end (each prompt's T5 text differs, so every stage runs every time).
 
@@ -30,7 +31,7 @@ import comfy_server
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "docs" / "pixart_lowvram_distributed_api.json"
+EXAMPLE = REPO / "workflows" / "api" / "pixart_lowvram_distributed_api.json"
 ENGINE = REPO.parent / "shared" / "engines" / "ComfyUI-Distributed"
 MODEL = "tiny-pixart"
 HTTP_TIMEOUT = 60

@@ -55,7 +55,7 @@ pytestmark = [
     ),
 ]
 
-DOCS_EXAMPLE = REPO / "docs" / "pixart_lowvram_distributed_api.json"
+EXAMPLE = REPO / "workflows" / "api" / "pixart_lowvram_distributed_api.json"
 WORKER = "w1"  # the worker's id in the master's engine config
 LORA = "tiny-lora.safetensors"
 KSAMPLER_SIZE = 320  # core's PixArt needs about 320 px and more (tests/test_comfyui_model.py)
@@ -163,11 +163,11 @@ def distributed(prompt: dict, seed: int | None = None) -> dict:
     return prompt
 
 
-def test_the_docs_example_is_the_basic_workflow_with_the_engines_nodes():
-    """docs/pixart_lowvram_distributed_api.json (docs/USAGE.md, Many GPUs / machines; the benchmark
+def test_the_distributed_example_is_the_basic_workflow_with_the_engines_nodes():
+    """workflows/api/pixart_lowvram_distributed_api.json (docs/USAGE.md, Many GPUs / machines; the benchmark
     benchmarks/distributed.py queues it) is the bundled basic API workflow with this module's two nodes."""
     basic = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
-    assert json.loads(DOCS_EXAMPLE.read_text(encoding="utf-8")) == distributed(basic, seed=0)
+    assert json.loads(EXAMPLE.read_text(encoding="utf-8")) == distributed(basic, seed=0)
 
 
 def fresh_basic(seed: int = 0) -> dict:

@@ -154,8 +154,11 @@ def is_ui(workflow: object) -> bool:
 # API files live in api/: ComfyUI lists every .json directly in workflows/ in its templates browser
 # (not those in subfolders), and an API file opened from there gives an empty graph.
 API_DIR = WORKFLOWS / "api"
+# The basic workflow with ComfyUI-Distributed's nodes: an API file with no UI file, which needs the other pack
+# (tests/test_comfyui_distributed.py checks it and runs it).
+DISTRIBUTED_API = API_DIR / "pixart_lowvram_distributed_api.json"
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
-API_FILES = sorted(API_DIR.glob("*.json"))
+API_FILES = sorted(path for path in API_DIR.glob("*.json") if path != DISTRIBUTED_API)
 PAIRS = [(path, API_DIR / (path.stem + "_api.json")) for path in UI_FILES]
 NAMES = ("basic", "lora_ksampler", "low_vram", "memory_debug", "with_core_nodes")
 
@@ -204,14 +207,15 @@ def api_widgets(entry: dict) -> dict[str, object]:
 
 
 def test_the_bundled_workflows_are_all_there():
-    """The workflows of NAMES, each as a UI file, an API file and a thumbnail; nothing else in the folder, which
-    ComfyUI serves as it is (tools/make_thumbnails.py draws the thumbnails)."""
+    """The workflows of NAMES, each as a UI file, an API file and a thumbnail, and the distributed API file;
+    nothing else in the folder, which ComfyUI serves as it is (tools/make_thumbnails.py draws the thumbnails)."""
     assert ids(UI_FILES) == [f"pixart_lowvram_{name}" for name in NAMES]
     assert ids(API_FILES) == [f"pixart_lowvram_{name}_api" for name in NAMES]
     expected = {path.name for path in UI_FILES} | {path.stem + ".jpg" for path in UI_FILES}
     expected.add("api")
     assert {path.name for path in WORKFLOWS.iterdir()} == expected
-    assert {path.name for path in API_DIR.iterdir()} == {path.name for path in API_FILES}
+    api_names = {path.name for path in API_FILES} | {DISTRIBUTED_API.name}
+    assert {path.name for path in API_DIR.iterdir()} == api_names
     assert all(is_ui(read(path)) for path in UI_FILES) and not any(is_ui(read(path)) for path in API_FILES)
 
 
