@@ -1,6 +1,6 @@
-"""A ComfyUI server on the loopback interface for the benchmarks: started with the pack linked into a fresh
-base directory, or an already running one named by URL (loopback hosts only), and the resident memory of
-its process tree.
+"""A ComfyUI server on the loopback interface for the tests and the benchmarks: started with the pack linked
+into a fresh base directory, or an already running one named by URL (loopback hosts only), and the resident
+memory of its process tree.
 
 Nothing here imports ComfyUI: the server runs in its own interpreter (``python`` below, ComfyUI's venv).
 """
