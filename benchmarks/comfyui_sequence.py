@@ -94,8 +94,9 @@ def markdown(result: dict) -> str:
         lines += ["", f"Tracebacks ({log['tracebacks']}), the first ones:", ""]
         for excerpt in log["traceback_excerpts"]:
             lines += [f"    {line}" for line in excerpt.splitlines()] + [""]
-    lines += ["", f"Server log, last {LOG_TAIL} lines:", ""]
-    lines += [f"    {line}" for line in log["tail"]]
+    if log.get("tail"):
+        lines += ["", f"Server log, last {LOG_TAIL} lines:", ""]
+        lines += [f"    {line}" for line in log["tail"]]
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,8 @@ from ``$PIXART_LOWVRAM_BENCH_COMMIT`` and whether it had uncommitted changes fro
 The tests' server support (tests/comfy_server.py, tests/server_sequence.py) is importable once this module
 is: the benchmarks start and drive ComfyUI servers as the tests do.
 
-    python benchmarks/harness.py      # the stamp a run here would record, as JSON
+    python benchmarks/harness.py                # the stamp a run here would record, as JSON
+    python benchmarks/harness.py --self-check   # merging, paths and Markdown checked, no GPU needed
 """
 
 from __future__ import annotations
@@ -108,9 +109,10 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def stamp(comfyui: Path | None = None) -> dict:
+def stamp(comfyui: Path | None = None, packages: tuple[str, ...] = ()) -> dict:
     """What a run measured and on what: the commit, the UTC date, the GPU (its name and memory, or "cpu"),
-    Python, torch, diffusers, transformers and, where a ComfyUI checkout is used, its version."""
+    Python, torch, diffusers, transformers, where a ComfyUI checkout is used its version, and the version
+    of each of ``packages`` the benchmark names."""
     import torch
 
     gpu, memory, count = "cpu", None, 0
@@ -132,6 +134,7 @@ def stamp(comfyui: Path | None = None) -> dict:
         "diffusers": package_version("diffusers"),
         "transformers": package_version("transformers"),
         "comfyui": comfyui_version(comfyui),
+        **({"packages": {name: package_version(name) for name in packages}} if packages else {}),
     }
 
 
@@ -157,6 +160,7 @@ def stamp_line(stamp: dict) -> str:
         )
         if stamp.get(key)
     )
+    versions += "".join(f", {name} {version}" for name, version in (stamp.get("packages") or {}).items())
     return f"{str(stamp.get('date', '?'))[:10]}, {gpu}, commit {commit} ({tree}); {versions}."
 
 
@@ -273,9 +277,14 @@ def load(out: Path, name: str) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def run(p: argparse.ArgumentParser, args: argparse.Namespace, comfyui: Path | None = None) -> dict:
+def run(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    comfyui: Path | None = None,
+    packages: tuple[str, ...] = (),
+) -> dict:
     """This run as its result records it: the stamp, the arguments and the command line."""
-    return {"stamp": stamp(comfyui), "arguments": recorded(p, args), "command": command()}
+    return {"stamp": stamp(comfyui, packages), "arguments": recorded(p, args), "command": command()}
 
 
 def write(
@@ -285,27 +294,27 @@ def write(
     run: dict,
     title: str,
     render: Callable[[dict], str],
-    merge: bool = False,
+    merge: str | None = None,
 ) -> dict:
     """NAME.json in ``args.out`` (``data`` with the ``run`` that measured it) and NAME.md made from it.
-    ``merge``: ``data["rows"]`` (name: row) joins the rows already there (see the module's doc)."""
+    ``merge``: the key of ``data`` (name: row) whose rows join those already there (see the module's doc)."""
     result = {"benchmark": args.benchmark, **run, **portable(data)}
     if merge:
-        result |= merged(load(args.out, args.name), data["rows"], run)
+        result |= merged(load(args.out, args.name), result[merge], run, merge)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     (Path(args.out) / f"{args.name}.md").write_text(markdown_text(title, result, render), encoding="utf-8")
     return result
 
 
-def merged(previous: dict | None, rows: dict, run: dict) -> dict:
-    """``runs`` and ``rows``: the previous result's rows that ``rows`` does not measure again, each with its
+def merged(previous: dict | None, rows: dict, run: dict, key: str = "rows") -> dict:
+    """``runs`` and ``key``: the previous result's rows that ``rows`` does not measure again, each with its
     run, then (in the previous order, new names last) the rows of this ``run``."""
     previous = previous or {}
     # A result written without runs was measured by one: its own stamp's.
     alone = {key: previous[key] for key in ("stamp", "arguments", "command") if key in previous}
     runs = previous.get("runs") or [alone]
-    kept = {name: dict(row) for name, row in previous.get("rows", {}).items()}
+    kept = {name: dict(row) for name, row in previous.get(key, {}).items()}
     for row in kept.values():
         row["run"] = runs[row.get("run", 0)]
     kept |= {name: {**row, "run": run} for name, row in rows.items()}
@@ -316,7 +325,7 @@ def merged(previous: dict | None, rows: dict, run: dict) -> dict:
     ordered.sort(key=lambda r: r == run)  # this run last; the others keep their order
     for row in kept.values():
         row["run"] = ordered.index(row["run"])
-    return {"runs": ordered, "rows": kept}
+    return {"runs": ordered, key: kept}
 
 
 def head(result: dict) -> str:
@@ -328,7 +337,8 @@ def head(result: dict) -> str:
     lines = ["Each row names the run that measured it:", ""]
     for index, run in enumerate(runs):
         line = f"{index + 1}. {stamp_line(run['stamp'])}"
-        lines.append(line + (f" `{run['command']}`" if run.get("command") else ""))
+        line += f" `{run['command']}`" if run.get("command") else ""
+        lines.append(line + (f" {run['note'][0].upper()}{run['note'][1:]}." if run.get("note") else ""))
     return "\n".join(lines)
 
 
@@ -392,5 +402,76 @@ def without(workflow: dict, kinds: tuple[str, ...]) -> dict:
     return kept
 
 
+class SelfCheckFailed(AssertionError):
+    """A self-check found the merging, the paths or the Markdown not as they must be."""
+
+
+def self_check() -> list[str]:
+    """What the results files rely on, without a GPU: the names of the checks, each raising
+    :class:`SelfCheckFailed` where it fails."""
+    import tempfile
+
+    def expect(condition: bool, what: str) -> None:
+        if not condition:
+            raise SelfCheckFailed(what)
+
+    done = []
+    first = {"stamp": {"commit": "a" * 40, "date": "2026-01-01"}, "arguments": {}}
+    second = {"stamp": {"commit": "b" * 40, "date": "2026-01-02"}, "arguments": {"only": ["y"]}}
+    result = {"stamp": first["stamp"], "arguments": {}, **merged(None, {"x": {"v": 1}, "y": {"v": 2}}, first)}
+    expect(result["runs"] == [first] and {r["run"] for r in result["rows"].values()} == {0}, f"{result}")
+    again = merged(result, {"y": {"v": 3}}, second)
+    expect(again["runs"] == [first, second], f"runs {again['runs']}")
+    expect(again["rows"] == {"x": {"v": 1, "run": 0}, "y": {"v": 3, "run": 1}}, f"rows {again['rows']}")
+    done.append("a run replaces the rows it measured and keeps the others with their runs")
+    replaced = merged({**again, "stamp": second["stamp"]}, {"x": {"v": 4}, "y": {"v": 5}}, second)
+    expect(replaced["runs"] == [second], f"a run no row names stayed: {replaced['runs']}")
+    expect(merged(replaced, {"x": {"v": 6}}, second)["runs"] == [second], "the same run was counted twice")
+    done.append("a run no row names goes, and writing one run twice keeps one")
+    alone = merged(
+        {"stamp": first["stamp"], "arguments": {}, "rows": {"x": {"v": 1}}}, {"y": {"v": 2}}, second
+    )
+    expect(alone["runs"][0]["stamp"] == first["stamp"] and alone["rows"]["x"]["run"] == 0, f"{alone}")
+    done.append("a result written without runs keeps its stamp for its rows")
+    paths = {
+        "/tmp/a/b/server": "server",
+        "--base-directory=/home/x/y": "--base-directory=y",
+        "sqlite:////tmp/x/db.sqlite": "sqlite:///db.sqlite",
+        "http://127.0.0.1:8188/view": "http://127.0.0.1:8188/view",
+        "workflows/api/x.json": "workflows/api/x.json",
+    }
+    for given, kept in paths.items():
+        expect(portable(given) == kept, f"portable({given!r}) is {portable(given)!r}, not {kept!r}")
+    expect(portable({"a": [Path("/x/y/z"), ("/p/q",)]}) == {"a": ["z", ["q"]]}, "portable of nested values")
+    done.append("a results file names no machine's folders")
+    with tempfile.TemporaryDirectory() as folder:
+        args = argparse.Namespace(out=Path(folder), name="check", benchmark="harness")
+
+        def render(result: dict) -> str:
+            return "\n".join(
+                table(
+                    ["row", "run", "v"], [[n, run_of(result, r), r["v"]] for n, r in result["rows"].items()]
+                )
+            )
+
+        run1 = {"stamp": first["stamp"], "arguments": {}, "command": "python benchmarks/harness.py"}
+        write(args, {"rows": {"x": {"v": 1}}}, run=run1, title="Check", render=render, merge="rows")
+        written = write(
+            args, {"rows": {"y": {"v": 2}}}, run=second, title="Check", render=render, merge="rows"
+        )
+        text = (Path(folder) / "check.md").read_text(encoding="utf-8")
+        expect(
+            text == rewrite_markdown(Path(folder), "check", "Check", render), "--render gave other Markdown"
+        )
+        expect("| x | 1 | 1 |" in text and "| y | 2 | 2 |" in text and "2. 2026-01-02" in text, text)
+        expect(written["stamp"] == second["stamp"], "the result's stamp is not its last run's")
+    done.append("NAME.md is made from NAME.json, the same again with --render")
+    return done
+
+
 if __name__ == "__main__":
-    print(json.dumps(stamp(), indent=1))
+    if sys.argv[1:] == ["--self-check"]:
+        for name in self_check():
+            print(f"ok: {name}")
+    else:
+        print(json.dumps(stamp(), indent=1))

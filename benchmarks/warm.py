@@ -984,7 +984,7 @@ def markdown(result: dict) -> str:
                 [
                     name,
                     run[name],
-                    row["arguments"]["fidelity_vs"],
+                    row["fidelity"]["reference"],
                     f"{later:.2f}" + ("" if not base else f" ({later / base:.2f})"),
                     f"{min(cos):.5f} / {sum(cos) / len(cos):.5f}",
                     f"{min(psnr):.1f} / {sum(psnr) / len(psnr):.1f}",
@@ -1107,9 +1107,10 @@ def finish(names: list[str], results: dict, work: Path) -> dict:
             row["fidelity"] = fidelity(
                 work / f"{slug(name)}.outputs.pt", work / f"{slug(reference)}.outputs.pt"
             )
-            row["fidelity"]["reference_later_seconds"] = summary(results[reference]["records"], None)[
-                "later_seconds"
-            ]
+            row["fidelity"] |= {
+                "reference": reference,
+                "reference_later_seconds": summary(results[reference]["records"], None)["later_seconds"],
+            }
         row["summary"] = summary(row["records"], anchor_later)
         row["anchor"] = {"later_seconds": anchor_later, "png_seconds": anchor_png}
         rows[name] = row
@@ -1315,7 +1316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         # after each: a run cut short keeps what it measured
         rows = finish(names, results, work)
-        result = harness.write(args, {"rows": rows}, run=run, title=TITLE, render=markdown, merge=True)
+        result = harness.write(args, {"rows": rows}, run=run, title=TITLE, render=markdown, merge="rows")
     if result is None:
         print("warm: no row was measured", file=sys.stderr)
         return 1
