@@ -26,7 +26,7 @@ part of what is compared); the model folder is built when missing (transformer, 
     python benchmarks/model_lora.py --comfyui /path/to/ComfyUI --model-dir pixart-full [--dynamic-vram]
 
 Writes model_lora.json and model_lora.md to --out (benchmarks/results): one part for ComfyUI's ordinary
-loading and one for Dynamic VRAM, a run replacing its own. On a CPU machine ``--preset tiny --size 272
+loading and one for Dynamic VRAM, a run replacing its own. On a CPU machine ``--preset tiny-core --size 272
 --steps 2 --out DIR`` checks the script.
 """
 

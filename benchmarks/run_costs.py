@@ -91,7 +91,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = arguments(__doc__, "run_costs", prompts=4)
     args = harness.parse(parser, argv, title=TITLE, render=markdown, required=("comfyui", "model_dir"))
-    run = harness.run(parser, args, args.comfyui)
+    measured = harness.run(parser, args, args.comfyui)
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     import comfy.model_management as mm
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         load_profile += "\n\nload_models_gpu under cProfile, by own time\n" + listing.getvalue()
 
     data = {"patcher": type(model).__name__, "dynamic_vram": args.dynamic_vram, "rows": rows, "moves": moves}
-    result = harness.write(args, data, run=run, title=TITLE, render=markdown)
+    result = harness.write(args, data, run=measured, title=TITLE, render=markdown)
     traces = harness.traces("run_costs")
     (traces / "profile.txt").write_text(text.getvalue())
     if load_profile:
