@@ -29,6 +29,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
@@ -367,6 +369,52 @@ def traces(name: str) -> Path:
     folder = TRACES / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+# ---- measuring ---------------------------------------------------------------------------------------
+
+
+def png_seconds(image) -> float:
+    """Seconds to write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG,
+    compress level 4): what a server prompt pays on top of the generation, for the anchor's side of the
+    comparison (not in the anchor's seconds)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    start = time.perf_counter()
+    for picture in image:
+        pixels = (picture.permute(1, 2, 0).numpy() * 255.0).clip(0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
+    return time.perf_counter() - start
+
+
+class CardUsed:
+    """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
+    context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
+
+    def __init__(self, enabled: bool = True):
+        self.peak, self._stop, self.enabled = 0, threading.Event(), enabled
+
+    def _poll(self) -> None:
+        import torch
+
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+            self._stop.wait(0.01)
+
+    def __enter__(self):
+        if not self.enabled:
+            self._stop.set()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 # ---- tables and workflows --------------------------------------------------------------------------

@@ -85,7 +85,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -320,25 +319,9 @@ def run_anchor(model_dir: Path) -> tuple[list[dict], list[torch.Tensor]]:
             )[0]
             image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
             image = image.float().cpu()
-        records.append(p.record | {"png_seconds": png_seconds((image / 2 + 0.5).clamp(0, 1))})
+        records.append(p.record | {"png_seconds": harness.png_seconds((image / 2 + 0.5).clamp(0, 1))})
         images.append(image)
     return records, images
-
-
-def png_seconds(image: torch.Tensor) -> float:
-    """Seconds to write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG,
-    compress level 4): what a server prompt pays on top of the generation, for the anchor's side of the
-    comparison (not in the anchor's seconds)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    start = time.perf_counter()
-    for picture in image:
-        pixels = (picture.permute(1, 2, 0).numpy() * 255.0).clip(0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
-    return time.perf_counter() - start
 
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
@@ -497,31 +480,6 @@ def link_core_models(model_dir: Path, base: Path, tree: Path) -> None:
         (base / "models" / folder / name).symlink_to(tree / folder / name)
 
 
-class DeviceUsed:
-    """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
-    context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
-
-    def __init__(self, enabled: bool = True):
-        self.peak, self._stop, self.enabled = 0, threading.Event(), enabled
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
-            self._stop.wait(0.01)
-
-    def __enter__(self):
-        if not self.enabled:
-            self._stop.set()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def run_server(
     model_dir: Path, comfyui: Path, config: dict, base: Path, cpu_check: bool = False
 ) -> tuple[list[dict], list[torch.Tensor]]:
@@ -647,12 +605,12 @@ def server_row(
                 if kind == "executing":
                     starts.append((data.get("node"), time.perf_counter()))
 
-            host_before = host_cpu(server.pid)
+            host_before = comfy_server.cpu_ticks(server.pid)
             start = time.perf_counter()
-            with DeviceUsed(enabled=card_measured) as used:
+            with harness.CardUsed(enabled=card_measured) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
-            record["host"] = host_share(host_before, host_cpu(server.pid))
+            record["host"] = comfy_server.host_share(host_before, comfy_server.cpu_ticks(server.pid))
             record["device_used"] = used.peak if card_measured else None
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
@@ -666,34 +624,6 @@ def server_row(
         finally:
             if ws is not None:
                 ws.close()
-
-
-def host_cpu(pid: int) -> tuple[list[int], int] | None:
-    """The machine's CPU time so far in clock ticks (``/proc/stat``'s first line: user, nice, system, idle,
-    iowait, irq, softirq, steal) and the server process's own (``/proc/PID/stat``'s utime and stime; its
-    threads, not its children); None where there is no /proc."""
-    try:
-        machine = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        own = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return machine, int(own[11]) + int(own[12])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def host_share(before, after) -> dict | None:
-    """What the host did during a prompt, from two :func:`host_cpu` readings: the share of all CPUs' time the
-    hypervisor gave to others (steal) and that was busy (not idle or iowait), and the server's CPU seconds.
-    A gauge of the host's speed: the same prompt's work on a host that is slower for it."""
-    if before is None or after is None:
-        return None
-    delta = [b - a for a, b in zip(before[0], after[0], strict=True)]
-    total = sum(delta) or 1
-    ticks = os.sysconf("SC_CLK_TCK")
-    return {
-        "steal": delta[7] / total,
-        "busy": 1 - (delta[3] + delta[4]) / total,
-        "server_cpu_seconds": (after[1] - before[1]) / ticks,
-    }
 
 
 def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict) -> dict:

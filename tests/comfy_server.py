@@ -1,6 +1,6 @@
 """A ComfyUI server on the loopback interface for the tests and the benchmarks: started with the pack linked
-into a fresh base directory, or an already running one named by URL (loopback hosts only), and the resident
-memory of its process tree.
+into a fresh base directory, or an already running one named by URL (loopback hosts only), the resident
+memory of its process tree and the host's CPU time during a prompt.
 
 Nothing here imports ComfyUI: the server runs in its own interpreter (``python`` below, ComfyUI's venv).
 """
@@ -171,7 +171,7 @@ def started(
         _stop(process)
 
 
-# ---- host memory of the server's process tree ---------------------------------------------------
+# ---- host memory and CPU time of the server ---------------------------------------------------
 
 
 def _proc_children(pid: int) -> list[int]:
@@ -224,6 +224,34 @@ def tree_rss(pid: int) -> int:
         with contextlib.suppress(OSError):
             total += _proc_rss(child)
     return total
+
+
+def cpu_ticks(pid: int) -> tuple[list[int], int] | None:
+    """The machine's CPU time so far in clock ticks (``/proc/stat``'s first line: user, nice, system, idle,
+    iowait, irq, softirq, steal) and the server process's own (``/proc/PID/stat``'s utime and stime; its
+    threads, not its children); None where there is no /proc."""
+    try:
+        machine = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return machine, int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def host_share(before, after) -> dict | None:
+    """What the host did during a prompt, from two :func:`cpu_ticks` readings: the share of all CPUs' time the
+    hypervisor gave to others (steal) and that was busy (not idle or iowait), and the server's CPU seconds.
+    A gauge of the host's speed: the same prompt's work on a host that is slower for it."""
+    if before is None or after is None:
+        return None
+    delta = [b - a for a, b in zip(before[0], after[0], strict=True)]
+    total = sum(delta) or 1
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {
+        "steal": delta[7] / total,
+        "busy": 1 - (delta[3] + delta[4]) / total,
+        "server_cpu_seconds": (after[1] - before[1]) / ticks,
+    }
 
 
 def _listening_inodes(port: int) -> set[str]:
