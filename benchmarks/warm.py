@@ -1,77 +1,37 @@
-"""Per prompt, from the first on: five prompts, each with its own text and seed, in one process per
-configuration, and the same through a running ComfyUI server.
+"""Per prompt, from the first on: five prompts, each with its own text and seed, then the first again, in
+one process per configuration and through a running ComfyUI server, beside the anchor (diffusers'
+PixArtSigmaPipeline in fp16 with everything on the GPU, loading not timed) measured in the same run.
 
-The anchor is diffusers' PixArtSigmaPipeline in fp16 with everything already on the GPU (loading it is not
-timed); every other row is given as a ratio to the anchor's later prompts, measured in the same run. In one
-process (``--model-dir``, the full-size model):
+The rows are :data:`CONFIGS`: in one process (``--model-dir``, the full-size model) the pack's stages as
+the library runs them (the host-memory pool on, PyTorch's expandable segments as the command line sets
+them) with its options (``fast``, ``step_cache``, ``compute``, low VRAM, allocator caps; the lossy ones with
+their fidelity against ``pack defaults``), and ComfyUI core's own nodes as a library, told the card has
+8 GB; through a server (``--comfyui``, a fresh server per row, its defaults) each bundled API workflow as
+shipped or changed as the row says, the LoRA workflow with a random rank-16 LoRA, and core's own fp16
+graph (CLIPLoader, UNETLoader, KSampler, VAELoader, VAEDecode, SaveImage on single files of the same
+weights), with the pack's Batched Guidance node and with ``--disable-dynamic-vram``.
+``$COMFYUI_EXTRA_ARGS`` goes on the server's command line (e.g. ``--disable-api-nodes --front-end-root
+DIR``); the server rows need ComfyUI's requirements and websocket-client in this Python.
 
-- ``anchor``: the pipeline, latents, then its VAE decode;
-- ``pack defaults``: encode (T5 nf4), sample (qint8), decode, as the library runs them (the host-memory
-  pool on, so later prompts load nothing from disk), with PyTorch's expandable segments as the command line
-  asks for them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); ``pack defaults, PyTorch's default
-  segments``: the same without them (what the caching allocator reserves beyond what is allocated);
-  ``pack defaults, 3.0 GiB cap``: with the allocator capped at 3.0 GiB
-  (``torch.cuda.set_per_process_memory_fraction``);
-- ``pack fast``: the sampler's compiled path;
-- ``pack step_cache T``: the sampler's First Block Cache at threshold T (lossy), and ``pack compute int8`` /
-  ``fp8``: its 8-bit compute paths, each with its fidelity against ``pack defaults`` prompt by prompt
-  (latent cosine, image PSNR);
-- ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB; and
-  ``pack low-VRAM + fast``, the same with the compiled sampler (every row but one with expandable segments);
-- ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
-  memory manager told the card has 8 GB (comfyui_path.py's ``simulate_card``), the loaded models kept
-  referenced between prompts as a server's node cache keeps them.
+Per prompt: seconds (through a server, submit to image downloaded) and each stage's seconds and peaks
+(through a server, from the pack's log lines), GPU peak allocated and reserved, host RSS (the server's
+whole process tree), the bytes copied from host memory to the GPU and what the host-memory pool holds;
+through a server also the card's used memory, each node's seconds (the websocket), ComfyUI's own time and
+the host's CPU during the prompt. For the anchor also the seconds its image takes to write as SaveImage
+writes it (PNG, level 4; not in its seconds). The sixth image must equal the first bit for bit.
 
-Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds), each bundled workflow as
-shipped (its Memory Snapshot node included, which only reports unless asked for the allocator history):
-``server: pack defaults`` (the bundled basic workflow), ``server: pack defaults, no Memory Snapshot`` (the
-snapshot's cost is the difference), ``server: pack fast`` (its sampler's fast on), ``server: pack fast +
-step_cache 0.1``, ``server: pack compute fp8``, ``server: pack low-VRAM`` (the bundled low-VRAM workflow) and
-``server: pack keep_loaded`` (the basic workflow, every model kept); ``server: pack int8 MODEL, core
-KSampler`` (the bundled LoRA workflow without its LoRA loader); ``server: LoRA + KSampler, strength 1`` and
-``…, strength 0`` (the bundled LoRA workflow as shipped, a random rank-16 LoRA on every attention and
-feed-forward layer written into the server's models/loras) and ``…, strength 1, MODEL kept`` (the same with
-the int8 Model Loader's keep_loaded on); ``server: ComfyUI core fp16 + Batched Guidance`` (core's graph below
-with the pack's patch node before KSampler); ``server: ComfyUI core fp16`` (core's own graph: CLIPLoader
-T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage, on the single files of the same
-weights) with the server's defaults and with ``--disable-dynamic-vram``. The server runs with ComfyUI's own
-defaults (its allocator choice included); each stage's seconds and GPU peaks come from the pack's log line
-for it in the server's log. ``$COMFYUI_EXTRA_ARGS`` goes on the server's command line (e.g.
-``--disable-api-nodes --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not
-installed); the server rows need ComfyUI's requirements and websocket-client in this Python.
-
-Per prompt: seconds (wall clock; through a server, submit to image downloaded) and each stage's seconds and
-peaks, GPU peak allocated and reserved (in one process; reset at each prompt's start), host RSS after the
-prompt (the server's whole process tree), bytes the pack copied from CPU memory to the GPU
-(``core.streaming.copied_to_device``: models moved back from host memory and streamed blocks; reads from
-disk are not counted), and what the pack's host-memory pool holds. Through a server also the card's used
-memory during the prompt (``cudaMemGetInfo``, what NVML reads: every process), each node's seconds (the
-websocket's ``executing`` messages), ComfyUI's own time for the prompt, and the host during it (``host``:
-the share of the CPUs' time stolen by the hypervisor and busy, the server's CPU seconds, from /proc). For
-the anchor also the seconds its image takes to write as ComfyUI's SaveImage writes it (PNG, compress level
-4; not in its seconds). A sixth prompt repeats the first's text and seed: its image must equal the first's
-bit for bit (digests of each prompt's embeddings and latents say which stage differs when it does).
-``--profile`` writes torch profiler tables of the third prompt of each one-process row to
-benchmarks/traces/warm/.
-
-``--rounds N``: each server row runs prompts 2–5 again N − 1 times after the six (its later prompts are all
-but the first and the repeat), and every further round's image must equal its first round's.
-``--interleave``: the server rows side by side, all their servers up at once and each prompt on each server
-in turn (the order rotated by one each prompt), so that every row meets the same host periods, with each
-row compared prompt by prompt against the first (and the patched core row against core's own); the card's
-used memory is not told apart per server there. ``--until SECONDS``: the server rows stop after their last
-whole round that ends within SECONDS of the command's start (a run under a time limit keeps whole rounds).
-
-    python benchmarks/warm.py --model-dir pixart-full --comfyui ComfyUI --only "pack defaults" \
+    python benchmarks/warm.py --model-dir pixart-full --comfyui ComfyUI --only "pack defaults" \\
         --only "server: pack defaults"
 
 The rows a run measures replace those of the same name in benchmarks/results/warm.json (and warm.md); the
-others stay, each naming its run. ``--cpu-check`` runs server rows on a CPU server (272², 2 steps; core's
-graph takes the pack's T5 encode and VAE decode there, since CLIPLoader and VAELoader build full-size
-models) to check that they run, e.g. with the smallest model core loads (``build_random_pixart(DIR,
-"tiny-core")``): the same ``--only`` list with ``--model-dir DIR --comfyui ComfyUI --out OUT --cpu-check``.
-``--self-check`` checks the prompt sequence, the rounds, the time limit and the comparison of interleaved
-rows without a GPU or a server.
+others stay, each naming its run. ``--rounds N``: server rows run prompts 2–5 again N − 1 times, each
+round's image equal to its first round's. ``--interleave``: the server rows' servers all up at once, each
+prompt on each in turn (the order rotated each prompt), compared prompt by prompt. ``--until SECONDS``: no
+round starts that would end later. ``--profile``: torch profiler tables of the third prompt of each
+one-process row, in benchmarks/traces/warm/. ``--cpu-check``: server rows on a CPU server, 272², 2 steps
+(core's graph takes the pack's T5 encode and VAE decode there), e.g. with ``build_random_pixart(DIR,
+"tiny-core")``. ``--self-check``: the rounds, the time limit and the interleaved comparison checked without
+a GPU or a server.
 """
 
 from __future__ import annotations
