@@ -25,10 +25,11 @@ against the pack's bf16 T5 on the same tokens (ComfyUI's T5 tokenizer, embedding
 core.conditioning makes them). ComfyUI's noise differs from diffusers' for the same seed, so its latents
 and images are saved but not compared with the pack's.
 
-On one GPU (writes results.json, results.md and the tensors to --out):
+stages.py runs it with ``--comfyui`` and takes its rows into its own table (benchmarks/results/stages.json).
+On its own, on one GPU (writes comfyui_path.json and comfyui_path.md to --out, the tensors to --work):
 
     python benchmarks/comfyui_path.py --comfyui /path/to/ComfyUI --model-dir pixart-full \\
-        --card-gb 8 --lowvram --size 1024 --steps 20 --out benchmarks/results/comfyui
+        --card-gb 8 --lowvram --out DIR
 
 A functional check without CUDA (ComfyUI's --cpu mode, T5 in bf16 there; no memory figures): ``--device
 cpu --size 512 --steps 2`` (core's position embedding fails below about 320 px).
@@ -40,7 +41,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -48,7 +48,10 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPT = "a photo of a red cat sitting in a sunlit garden, detailed fur"  # stages.py's
+import harness
+
+PROMPT = harness.PROMPT  # stages.py's
+TITLE = "ComfyUI core's own PixArt-Σ path, stage by stage"
 FILES = {  # ComfyUI models folder: file name
     "text_encoders": "t5xxl_fp16.safetensors",
     "diffusion_models": "pixart_sigma.safetensors",
@@ -242,30 +245,20 @@ def cosine(a, b) -> float | None:
     return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--comfyui", type=Path, required=True, help="a ComfyUI checkout (used in place)")
-    parser.add_argument("--model-dir", type=Path, required=True, help="a diffusers PixArt-Σ folder")
-    parser.add_argument(
-        "--card-gb", type=float, nargs="+", default=[8.0], help="card sizes to tell (0: as is)"
-    )
-    parser.add_argument("--lowvram", action="store_true", help="also run each card size with --lowvram")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a functional check")
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--cfg", type=float, default=4.5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", default="dpmpp_2m")
-    parser.add_argument("--scheduler", default="normal")
-    parser.add_argument(
-        "--models-tree", type=Path, help="keep the single files here (default: a temporary one)"
-    )
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/comfyui"))
-    parser.add_argument("--one", nargs=3, metavar=("TREE", "CONFIG", "OUT"), help=argparse.SUPPRESS)
-    parser.add_argument("--reference", metavar="OUT", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "comfyui_path", comfyui=True, size=harness.SIZE, steps=harness.STEPS)
+    p.add_argument("--card-gb", type=float, nargs="+", default=[8.0], help="card sizes to tell (0: as is)")
+    p.add_argument("--lowvram", action="store_true", help="also run each card size with --lowvram")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a functional check")
+    p.add_argument("--cfg", type=float, default=harness.CFG)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampler", default="dpmpp_2m")
+    p.add_argument("--scheduler", default="normal")
+    p.add_argument("--models-tree", type=Path, help="keep the single files here (default: a temporary one)")
+    p.add_argument("--work", type=Path, help="the folder for the tensors (default: a new temporary one)")
+    p.add_argument("--one", nargs=3, metavar=("TREE", "CONFIG", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--reference", metavar="OUT", help=argparse.SUPPRESS)
+    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("comfyui", "model_dir"))
     settings = {key: getattr(args, key) for key in ("size", "steps", "cfg", "seed", "sampler", "scheduler")}
     if args.one:
         run_one(
@@ -277,18 +270,20 @@ def main() -> int:
         return 0
 
     if not (args.comfyui / "comfy" / "model_management.py").is_file():
-        parser.error(f"--comfyui {args.comfyui} is not a ComfyUI checkout (no comfy/model_management.py).")
-    args.out.mkdir(parents=True, exist_ok=True)
+        p.error(f"--comfyui {args.comfyui} is not a ComfyUI checkout (no comfy/model_management.py).")
+    work = (args.work or Path(tempfile.mkdtemp(prefix="comfyui-path-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     tree = args.models_tree or Path(tempfile.mkdtemp(prefix="comfyui-models-"))
     common = [sys.executable, __file__, "--comfyui", str(args.comfyui), "--model-dir", str(args.model_dir)]
     common += [f"--{key}={value}" for key, value in settings.items()]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = harness.run(p, args, args.comfyui)
     results = {}
     try:
         start = time.perf_counter()
         write_models_tree(args.model_dir, tree)
         print(f"models tree written in {time.perf_counter() - start:.1f} s: {tree}", flush=True)
-        reference = args.out / "reference.pt"
+        reference = work / "reference.pt"
         subprocess.run([*common, "--device", args.device, "--reference", str(reference)], check=True, env=env)
         configs = [
             {"card_gb": card, "lowvram": lowvram, "device": args.device}
@@ -296,7 +291,7 @@ def main() -> int:
             for lowvram in ([False, True] if args.lowvram else [False])
         ]
         for i, config in enumerate(configs):
-            name, stem = config_name(config["card_gb"], config["lowvram"]), args.out / f"comfyui{i}"
+            name, stem = config_name(config["card_gb"], config["lowvram"]), work / f"comfyui{i}"
             print(f"running: {name}", flush=True)
             subprocess.run([*common, "--one", str(tree), json.dumps(config), str(stem)], check=True, env=env)
             results[name] = {**config, **json.loads(stem.with_suffix(".json").read_text())}
@@ -305,10 +300,8 @@ def main() -> int:
         if args.models_tree is None:
             shutil.rmtree(tree, ignore_errors=True)
     fidelity(results, reference)
-    meta = metadata(args, settings)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (args.out / "results.md").write_text(markdown(meta, results))
-    print(markdown(meta, results))
+    result = harness.write(args, {"rows": results}, run=run, title=TITLE, render=markdown)
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
 
@@ -317,53 +310,18 @@ def fidelity(results: dict, reference: Path) -> None:
 
     ref = torch.load(reference, weights_only=True)
     for r in results.values():
-        tensors = torch.load(r["tensors"], weights_only=True)
+        tensors = torch.load(r.pop("tensors"), weights_only=True)
         for key in ("embeds", "negative_embeds"):  # absent where the token counts differ
             if (value := cosine(tensors[key], ref[key])) is not None:
                 r[f"{key}_cosine"] = value
         r["tokens"] = {"core": tensors["embeds"].shape[1], "pack": ref["embeds"].shape[1]}
 
 
-def metadata(args, settings: dict) -> dict:
-    import torch
+def markdown(result: dict) -> str:
+    """stages.py's table: per-stage peak allocated GiB, seconds, cosines."""
+    import stages
 
-    comfyui_version = {}
-    exec((args.comfyui / "comfyui_version.py").read_text(), comfyui_version)
-    cuda = args.device == "cuda" and torch.cuda.is_available()
-    return {
-        "gpu": torch.cuda.get_device_name()
-        if cuda
-        else f"CPU ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "comfyui": comfyui_version.get("__version__", "?"),
-        "date": time.strftime("%Y-%m-%d"),
-        "python": platform.python_version(),
-        "settings": settings,
-    }
-
-
-def markdown(meta: dict, results: dict) -> str:
-    """benchmarks/stages.py's table shape: per-stage peak allocated GiB, seconds, cosines."""
-    s = meta["settings"]
-    lines = [
-        f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, ComfyUI {meta['comfyui']}; {s['size']}², "
-        f"{s['steps']} steps, cfg {s['cfg']}, {s['sampler']} + {s['scheduler']}. Peaks are allocated GiB "
-        "(2^30 bytes), reset at each stage's start (what earlier stages left loaded counts); each stage is a "
-        "loader node and the node that uses it (core loads lazily, inside them). embeds cos: core's T5 "
-        "conditioning against the pack's bf16 T5 on the same tokens; latents are not comparable (core's "
-        "noise differs from diffusers').",
-        "",
-        "| configuration | T5 peak | sampler peak | VAE peak | whole peak | T5 s | sampler s | VAE s | total s "
-        "| embeds cos | latents cos |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in results.items():
-        peaks = [st.get("peak_allocated") for st in r["stages"]]
-        peak_cells = ["–"] * 4 if None in peaks else [f"{p / GIB:.2f}" for p in [*peaks, max(peaks)]]
-        cells = peak_cells + [f"{st['seconds']:.2f}" for st in r["stages"]] + [f"{r['seconds']:.2f}"]
-        cells += [f"{r['embeds_cosine']:.4f}" if "embeds_cosine" in r else "–", "–"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return stages.markdown(result)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The sampler's ``compute`` paths against fp16, on the GPU: the block's matrix products, the sampler stage
 alone, and each path's fidelity prompt by prompt.
 
-    python benchmarks/compute.py --model-dir pixart-full --out benchmarks/results
+    python benchmarks/compute.py --model-dir pixart-full
 
 (the full-size random model: ``python -m pixart_lowvram demo --preset full --model-dir pixart-full --device
-cuda --steps 2``). Writes compute.json and compute.md to --out. Three parts, in one process:
+cuda --steps 2``). Writes compute.json and compute.md to --out (benchmarks/results): the parts a run measures
+replace those of the result, the others stay, each naming its run. Three parts, in one process:
 
 - ``kernels``: each linear layer of a PixArt-Σ block at 1024² with guidance (M = 8192 rows: two images of
   4096 tokens; the cross-attention's k and v take the caption's 2 × 300), median of 50 after warm-up:
@@ -18,32 +19,39 @@ cuda --steps 2``). Writes compute.json and compute.md to --out. Three parts, in 
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
   int8 and fp8. With each its GPU peak allocated during a run (the kept weights included).
-- ``fidelity``: five prompts (benchmarks/warm.py's, each with its seed) encoded once by the pack's T5 stage;
-  each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the decoded images'
-  PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit arithmetic moves
-  this network, not how a trained model's pictures change.
+- ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
+  pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
+  decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
+  arithmetic moves this network, not how a trained model's pictures change.
+
+``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward
+of compiled fp16 + fast, fp8 (fast and exact accumulation) and int8 sampler runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
-import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-GIB = 2**30
-SETTINGS = {"width": 1024, "height": 1024, "steps": 20, "cfg": 4.5, "scheduler": "dpmsolver++"}
+GIB = harness.GIB
+TITLE = "compute: the 8-bit paths against fp16"
+SETTINGS = {
+    "width": harness.SIZE,
+    "height": harness.SIZE,
+    "steps": harness.STEPS,
+    "cfg": harness.CFG,
+    "scheduler": "dpmsolver++",
+}
 COMPUTE_ROWS = {
     "pack compute fp16 (defaults)": {"compute": "fp16"},
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
@@ -157,12 +165,10 @@ def kernels() -> list[dict]:
 
 
 def encode_prompts(source, quant_cache: Path):
-    from warm import PROMPTS
-
     from pixart_lowvram.core import text_encoder
 
     settings = text_encoder.EncoderSettings(source, device="cuda", quant_cache=quant_cache)
-    return [(text_encoder.encode(settings, text, ""), seed) for text, seed in PROMPTS]
+    return [(text_encoder.encode(settings, text, ""), seed) for text, seed in harness.PROMPTS]
 
 
 def timed(fn) -> tuple[float, object, int]:
@@ -315,91 +321,104 @@ def fmt(value) -> str:
     return str(value)
 
 
-def markdown(meta: dict, kernel_rows: list[dict], sampler_rows: dict) -> str:
-    lines = [
-        "# compute: the 8-bit paths against fp16",
-        "",
-        f"{meta['gpu']}, torch {meta['torch']}, {meta['date']}; `{meta['command']}`.",
-        "",
-        "## The block's linear layers at 1024² with guidance (ms, median of 50)",
-        "",
-    ]
+def markdown(result: dict) -> str:
+    """Each part's table, headed by its run."""
+    parts = result["parts"]
+    lines = []
+    kernel_rows = parts.get("kernels", {}).get("layers", [])
     if kernel_rows:
+        lines += [
+            f"## The block's linear layers at 1024² with guidance (ms, median of 50; run "
+            f"{harness.run_of(result, parts['kernels'])})",
+            "",
+        ]
         keys = [k for k in kernel_rows[0] if k not in ("in", "out")]
         extra = [k for row in kernel_rows for k in row if k not in keys and k not in ("in", "out")]
         keys += list(dict.fromkeys(extra))
-        lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-        lines += ["| " + " | ".join(fmt(row.get(k, "–")) for k in keys) + " |" for row in kernel_rows]
-    anchor = sampler_rows.get("diffusers fp16 transformer", {}).get("later")
-    lines += [
-        "",
-        f"## The sampler stage alone: {SETTINGS['width']}², {SETTINGS['steps']} steps, cfg {SETTINGS['cfg']}, "
-        f"{SETTINGS['scheduler']}, transformer kept loaded",
-        "",
-        "| row | options | first run | later (median) | × fp16 model | GPU peak allocated | latent cosine min / mean "
-        "| image PSNR min / mean |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, row in sampler_rows.items():
-        if "error" in row:
-            lines.append(f"| {name} | – | failed: {row['error']} | | | | | |")
-            continue
-        ratio = f"{row['later'] / anchor:.2f}" if anchor else "–"
-        fid = row.get("fidelity")
-        cos = f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}" if fid else "–"
-        ps = (
-            f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB"
-            if fid
-            else "–"
-        )
-        first = f"{row['first']:.2f} s" if "first" in row else "–"
-        lines.append(
-            f"| {name} | {json.dumps(row.get('options', {}))} | {first} | {row['later']:.3f} s | {ratio} | "
-            f"{row['peak_allocated'] / GIB:.2f} GiB | {cos} | {ps} |"
-        )
-    lines += [
-        "",
-        f"Fidelity: five prompts with their seeds, each path's latents and images against {FIDELITY_REFERENCE}'s. "
-        "Random weights, not trained ones.",
-        "",
-    ]
-    return "\n".join(lines)
+        lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in kernel_rows])
+        lines.append("")
+    sampler_rows = parts.get("sampler", {}).get("rows", {})
+    if sampler_rows:
+        anchor = sampler_rows.get("diffusers fp16 transformer", {}).get("later")
+        lines += [
+            f"## The sampler stage alone: {SETTINGS['width']}², {SETTINGS['steps']} steps, cfg {SETTINGS['cfg']}, "
+            f"{SETTINGS['scheduler']}, transformer kept loaded (run {harness.run_of(result, parts['sampler'])})",
+            "",
+        ]
+        cells = []
+        for name, row in sampler_rows.items():
+            if "error" in row:
+                cells.append([name, "–", f"failed: {row['error']}", "", "", "", "", ""])
+                continue
+            fid = row.get("fidelity")
+            cos = (
+                f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}"
+                if fid
+                else "–"
+            )
+            ps = (
+                f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB"
+                if fid
+                else "–"
+            )
+            cells.append(
+                [
+                    name,
+                    json.dumps(row.get("options", {})),
+                    f"{row['first']:.2f} s" if "first" in row else "–",
+                    f"{row['later']:.3f} s",
+                    f"{row['later'] / anchor:.2f}" if anchor else "–",
+                    f"{row['peak_allocated'] / GIB:.2f} GiB",
+                    cos,
+                    ps,
+                ]
+            )
+        header = ["row", "options", "first run", "later (median)", "× fp16 model", "GPU peak allocated"]
+        lines += harness.table([*header, "latent cosine min / mean", "image PSNR min / mean"], cells)
+        lines += [
+            "",
+            f"Fidelity: five prompts with their seeds, each path's latents and images against "
+            f"{FIDELITY_REFERENCE}'s. Random weights, not trained ones.",
+            "",
+        ]
+    profile = parts.get("profile", {}).get("rows", {})
+    if profile:
+        kinds = list(dict.fromkeys(kind for row in profile.values() for kind in row["ms_per_forward"]))
+        lines += [
+            f"## CUDA kernel time by kind per transformer forward, a later compiled run (ms; run "
+            f"{harness.run_of(result, parts['profile'])})",
+            "",
+        ]
+        cells = [
+            [name, json.dumps(row["options"]), f"{row['later_seconds']:.3f} s"]
+            + [fmt(row["ms_per_forward"].get(kind, 0.0)) for kind in kinds]
+            for name, row in profile.items()
+        ]
+        lines += harness.table(["compute", "options", "20 steps", *kinds], cells)
+    return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "compute", only=True)
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--kernels-only", action="store_true", help="the kernels part alone")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only the kernel time by kind of compiled fp16, fp8 and int8 runs",
     )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("compute"))
-    parser.add_argument("--skip-kernels", action="store_true")
-    parser.add_argument("--kernels-only", action="store_true", help="the kernels part alone")
-    parser.add_argument("--only", action="append", default=[], help="a sampler row's name (repeatable)")
-    parser.add_argument(
-        "--profile", action="store_true", help="only the kernel time by kind of compiled fp16 and fp8 runs"
-    )
-    args = parser.parse_args()
+    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("model_dir",))
     from pixart_lowvram.core import models, vae
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["python", "benchmarks/compute.py", *sys.argv[1:]]),
-        "settings": SETTINGS,
-    }
-    results: dict = {"meta": meta, "kernels": [], "sampler": {}}
+    run = harness.run(p, args, packages=("comfy-kitchen",))
+    parts: dict = {}
 
     def write() -> str:
-        (args.out / "compute.json").write_text(json.dumps(results, indent=1, default=str))
-        text = markdown(meta, results["kernels"], results["sampler"])
-        (args.out / "compute.md").write_text(text)
-        return text
+        result = harness.write(args, {"parts": parts}, run=run, title=TITLE, render=markdown, merge="parts")
+        return harness.markdown_text(TITLE, result, markdown)
 
     source = models.resolve_model(str(args.model_dir))
-    quant_cache = args.out / ".quant_cache"
+    quant_cache = Path(tempfile.mkdtemp(prefix="compute-")) / "quant_cache"
     if args.profile:
         prompts = encode_prompts(source, quant_cache)
         from pixart_lowvram.core.quant import compute
@@ -410,24 +429,25 @@ def main() -> int:
             "fp8, exact accumulation": ({"compute": "fp8"}, False),
             "int8": ({"compute": "int8"}, True),
         }
-        profiles = {}
+        parts["profile"] = {"rows": {}}
         for name, (options, fast_accumulation) in rows.items():
             compute.FAST_ACCUMULATION = fast_accumulation
             torch._dynamo.reset()
-            profiles[name] = profile_row(source, prompts, options, quant_cache)
-            (args.out / "compute_profile.json").write_text(json.dumps(profiles, indent=1))
+            parts["profile"]["rows"][name] = profile_row(source, prompts, options, quant_cache)
+            write()
         compute.FAST_ACCUMULATION = True
-        print(json.dumps(profiles, indent=1))
+        print(write())
         return 0
     if not args.skip_kernels:
-        results["kernels"] = kernels()
+        parts["kernels"] = {"layers": kernels()}
         write()
     if args.kernels_only:
         print(write())
         return 0
     prompts = encode_prompts(source, quant_cache)
     decoder = vae.DecoderSettings(source, device="cuda")
-    results["sampler"]["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)
+    sampler_rows = {"diffusers fp16 transformer": diffusers_fp16(args.model_dir, prompts)}
+    parts["sampler"] = {"rows": sampler_rows}
     torch.cuda.empty_cache()  # its transformer went with its frame
     write()
     outputs = {}
@@ -437,13 +457,13 @@ def main() -> int:
         try:
             row = pack_row(source, prompts, options, quant_cache, decoder)
         except Exception as exc:
-            results["sampler"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            sampler_rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"{name}: {exc!r}", file=sys.stderr)
             continue
         outputs[name] = row.pop("outputs")
         if name != FIDELITY_REFERENCE and FIDELITY_REFERENCE in outputs:
             row["fidelity"] = fidelity(outputs[name], outputs[FIDELITY_REFERENCE])
-        results["sampler"][name] = row
+        sampler_rows[name] = row
         print(
             name, json.dumps({k: v for k, v in row.items() if k != "options"}, default=str), file=sys.stderr
         )

@@ -1,40 +1,44 @@
 """Images per minute through ComfyUI-Distributed: a master and ``--servers`` - 1 workers, each a ComfyUI on
 127.0.0.1 and its own free port with the pack and the engine in its custom_nodes/ and the model in its
-models/diffusers/, the workers set in the master's engine config through the engine's API, and the
-example workflow (workflows/api/pixart_lowvram_distributed_api.json: the basic workflow with a
-DistributedSeed and a DistributedCollector) queued ``--prompts`` times through ``POST /distributed/queue``,
-one after another.
+models/diffusers/, the workers set in the master's engine config through the engine's API, and the docs'
+example workflow (workflows/api/pixart_lowvram_distributed_api.json: the basic workflow with a DistributedSeed and a
+DistributedCollector) queued ``--prompts`` times through ``POST /distributed/queue``, one after another.
 Each prompt gives one image per server; the figure is images saved by the master over the wall time from
 the first queue to the last prompt's end (each prompt's T5 text differs, so every stage runs every time).
 
 The engine is used in place (``--engine``, default ../shared/engines/ComfyUI-Distributed beside the
 repository): each server's custom_nodes/ComfyUI-Distributed links to its entries. Tiny model on the CPU:
 
-    python benchmarks/distributed.py --comfyui /path/to/ComfyUI --servers 1 --out dist-1
-    python benchmarks/distributed.py --comfyui /path/to/ComfyUI --servers 2 --out dist-2
+    python benchmarks/distributed.py --comfyui /path/to/ComfyUI --servers 1 --name distributed_1
+    python benchmarks/distributed.py --comfyui /path/to/ComfyUI --servers 2
 
-Prints one line and writes ``distributed.json`` to ``--out`` (the servers' base directories are there too).
+Prints one line and writes ``distributed.json`` and ``distributed.md`` (``--name``) to ``--out``; the tiny
+model and the servers' base directories go to ``--work`` (default: a new temporary folder).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
+import harness  # first: the tests' server support (comfy_server) is importable once it is
+
+# isort: split
 import comfy_server
 import requests
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 EXAMPLE = REPO / "workflows" / "api" / "pixart_lowvram_distributed_api.json"
 ENGINE = REPO.parent / "shared" / "engines" / "ComfyUI-Distributed"
 MODEL = "tiny-pixart"
 HTTP_TIMEOUT = 60
+TITLE = "Images per minute through ComfyUI-Distributed"
 
 
 def prompt_for(n: int, size: int, steps: int) -> dict:
@@ -64,29 +68,43 @@ def wait(url: str, prompt_id: str, timeout: float) -> dict:
     raise comfy_server.ServerError(f"prompt {prompt_id} did not finish within {timeout:g} s")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def markdown(result: dict) -> str:
+    lines = harness.table(
+        ["servers", "prompts", "images", "seconds", "images a minute", "size", "steps", "CPUs"],
+        [
+            [
+                result["servers"],
+                result["prompts"],
+                result["images"],
+                result["seconds"],
+                result["images_per_minute"],
+                f"{result['size']}²",
+                result["steps"],
+                result["cpus"],
+            ]
+        ],
     )
-    parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), help="a ComfyUI checkout")
+    return "The tiny model on the CPU, one image per server and prompt.\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__doc__, "distributed", model_dir=False, comfyui=True, size=64, steps=3)
     parser.add_argument("--python", default=sys.executable, help="ComfyUI's interpreter (this one)")
     parser.add_argument("--engine", type=Path, default=ENGINE, help="ComfyUI-Distributed's folder")
     parser.add_argument("--servers", type=int, default=2, help="the master and the workers (2)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts queued, one after another (8)")
-    parser.add_argument("--size", type=int, default=64, help="image side in px (64, the tiny model's)")
-    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompt-timeout", type=float, default=600.0)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    if not args.comfyui:
-        parser.error("give --comfyui or set COMFYUI_PATH")
+    parser.add_argument(
+        "--work", type=Path, help="the folder for the model and the servers (default: a new temporary one)"
+    )
+    args = harness.parse(parser, argv, title=TITLE, render=markdown, required=("comfyui",))
     if args.servers < 1 or args.prompts < 1:
         parser.error("--servers and --prompts are at least 1")
 
     from pixart_lowvram.cli.random_model import build_random_pixart
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    model = args.out / "model"
+    work = (args.work or Path(tempfile.mkdtemp(prefix="distributed-"))).resolve()
+    model = work / "model"
     if not model.is_dir():
         build_random_pixart(model, "tiny")
     with contextlib.ExitStack() as stack:
@@ -94,7 +112,7 @@ def main() -> int:
             stack.enter_context(
                 comfy_server.started(
                     Path(args.comfyui),
-                    args.out / f"server{n}",
+                    work / f"server{n}",
                     models={MODEL: model},
                     python=args.python,
                     cpu=True,
@@ -151,7 +169,7 @@ def main() -> int:
         "steps": args.steps,
         "cpus": os.cpu_count(),
     }
-    (args.out / "distributed.json").write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(args, result, run=harness.run(parser, args, args.comfyui), title=TITLE, render=markdown)
     print(
         f"{args.servers} server(s): {images} images in {total:.1f} s = {result['images_per_minute']} images/min "
         f"({args.size}px, {args.steps} steps, {os.cpu_count()} CPUs)"

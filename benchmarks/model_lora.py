@@ -23,9 +23,11 @@ LoRA merged into them (the oracle), as cosine similarities.
 ``ModelPatcherDynamic``s; without it, ComfyUI's ordinary loading. The conditioning is random (T5 is not
 part of what is compared); the model folder is built when missing (transformer, scheduler and VAE only).
 
-    python benchmarks/model_lora.py --comfyui /path/to/ComfyUI --model-dir pixart-full --out DIR [--dynamic-vram]
+    python benchmarks/model_lora.py --comfyui /path/to/ComfyUI --model-dir pixart-full [--dynamic-vram]
 
-Writes model_lora[_dynamic].json and .md to --out.
+Writes model_lora.json and model_lora.md to --out (benchmarks/results): one part for ComfyUI's ordinary
+loading and one for Dynamic VRAM, a run replacing its own. On a CPU machine ``--preset tiny-core --size 272
+--steps 2 --out DIR`` checks the script.
 """
 
 from __future__ import annotations
@@ -33,30 +35,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
-import platform
 import sys
+import tempfile
 import time
 import types
-from datetime import datetime, timezone
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-GIB = 2**30
+REPO = harness.REPO
+GIB = harness.GIB
+TITLE = "The pack's int8 MODEL and LoRA beside the Quanto PixArt Sampler"
 
 
-def arguments(doc: str) -> argparse.ArgumentParser:
-    """The arguments of the KSampler benchmarks here: the ComfyUI checkout, the model folder (see
-    :func:`model_here`), the output folder, Dynamic VRAM, and the random model's size."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--comfyui", type=Path, required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dynamic-vram", action="store_true")
+def arguments(doc: str, name: str, prompts: int) -> argparse.ArgumentParser:
+    """The arguments of the KSampler benchmarks here: the harness's (the ComfyUI checkout, the model folder
+    (see :func:`model_here`), size, steps, the output), Dynamic VRAM, the random model's size, the prompts,
+    the LoRA's rank and a work folder."""
+    parser = harness.parser(doc, name, comfyui=True, size=harness.SIZE, steps=harness.STEPS)
+    parser.add_argument("--dynamic-vram", action="store_true", help="ComfyUI's Dynamic VRAM (comfy-aimdo)")
     parser.add_argument("--preset", default="full", help="the random model's size when it is built")
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--rank", type=int, default=16, help="the random LoRA's rank")
+    parser.add_argument(
+        "--work", type=Path, help="the folder for the LoRA and the quantized cache (default: a temporary one)"
+    )
     return parser
 
 
@@ -82,7 +87,7 @@ def ksampler_settings(args, **choices):
     from pixart_lowvram.core.models import resolve_model
 
     device = model_here(args.model_dir, args.preset)
-    work = args.out / "work"
+    work = args.work or Path(tempfile.mkdtemp(prefix=f"{args.benchmark}-"))
     lora_path = save_random_lora(args.model_dir, work / "lora.safetensors", rank=args.rank, scale=0.02)
     settings = sampler.SamplerSettings(
         resolve_model(str(args.model_dir), []),
@@ -243,13 +248,38 @@ def merged_oracle(model_dir: Path, lora_path: Path, embeds, settings, seed: int)
     return latents.float().cpu() / sampler.scaling_factor(settings.model)
 
 
-def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--prompts", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args()
+def markdown(result: dict) -> str:
+    """Each loading's table (later prompt and peak against the pack's sampler) and its latents compared."""
+    lines = []
+    for mode, part in result["rows"].items():
+        rows = part["rows"]
+        base = next(row for row in rows if row["name"] == "pack sampler")
+        lines += [
+            f"## {mode} (run {harness.run_of(result, part)}): {part['patcher']}, {part['size']}², "
+            f"{part['steps']} steps, a rank-{part['rank']} LoRA",
+            "",
+        ]
+        cells = [
+            [
+                row["name"],
+                f"{row['later']:.3f} s",
+                f"{row['later'] / base['later']:.2f}",
+                f"{row['later_peak_gib']:.2f} GiB",
+                f"{row['later_peak_gib'] / max(base['later_peak_gib'], 1e-9):.2f}",
+            ]
+            for row in rows
+        ]
+        header = ["configuration", "later prompt", "× pack sampler", "peak allocated", "× pack sampler"]
+        lines += [*harness.table(header, cells), ""]
+        fidelity = [[name, f"{value:.6f}"] for name, value in part["fidelity"].items()]
+        lines += [*harness.table(["latents compared", "cosine"], fidelity), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arguments(__doc__, "model_lora", prompts=5)
+    args = harness.parse(parser, argv, title=TITLE, render=markdown, required=("comfyui", "model_dir"))
+    run = harness.run(parser, args, args.comfyui)
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
@@ -351,42 +381,19 @@ def main() -> None:
             by["KSampler, pack MODEL + LoRA"]["latents"], by["KSampler, pack MODEL"]["latents"]
         ),
     }
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "comfyui": (args.comfyui / "comfyui_version.py").read_text().split('"')[1]
-        if (args.comfyui / "comfyui_version.py").is_file()
-        else str(args.comfyui),
+    mode = "Dynamic VRAM" if args.dynamic_vram else "ordinary loading"
+    part = {
         "patcher": kind,
         "dynamic_vram": args.dynamic_vram,
+        "device": device,
         "size": args.size,
         "steps": args.steps,
         "rank": args.rank,
         "rows": [{k: v for k, v in row.items() if k != "latents"} for row in rows],
         "fidelity": fidelity,
     }
-    suffix = "_dynamic" if args.dynamic_vram else ""
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"model_lora{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    base = by["pack sampler"]
-    lines = [
-        f"# The pack's MODEL and LoRA ({result['date']}, {result['device']}, ComfyUI {result['comfyui']}, "
-        f"{kind}, {args.size}², {args.steps} steps, rank-{args.rank} LoRA)",
-        "",
-        "| configuration | later prompt | × pack sampler | peak allocated | × pack sampler |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['name']} | {row['later']:.3f} s | {row['later'] / base['later']:.2f} | "
-            f"{row['later_peak_gib']:.2f} GiB | {row['later_peak_gib'] / max(base['later_peak_gib'], 1e-9):.2f} |"
-        )
-    lines += ["", "| latents compared | cosine |", "| --- | --- |"]
-    lines += [f"| {name} | {value:.6f} |" for name, value in fidelity.items()]
-    (args.out / f"model_lora{suffix}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    result = harness.write(args, {"rows": {mode: part}}, run=run, title=TITLE, render=markdown, merge="rows")
+    print(harness.markdown_text(TITLE, result, markdown))
 
 
 if __name__ == "__main__":

@@ -3,25 +3,25 @@ over every visible GPU; this measures each GPU's peak and resident memory, the t
 cosine against the same encoder on one GPU (loaded the way the pack loads it: text_encoder.py's model class
 and quantization settings, bf16 compute).
 
-    python benchmarks/multi_gpu.py --model-dir DIR --out DIR [--quantization nf4]
+    python benchmarks/multi_gpu.py --model-dir pixart-full [--quantization nf4]
 
-Needs two or more GPUs. Writes multi_gpu.json and multi_gpu.md to --out.
+Needs two or more GPUs. Writes multi_gpu.json and multi_gpu.md to --out (benchmarks/results).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import harness
 import torch
 
-PROMPT = "a photo of a red cat sitting in a sunlit garden, detailed fur"
-GIB = 2**30
+PROMPT = harness.PROMPT
+GIB = harness.GIB
+TITLE = "T5-XXL over several GPUs"
 
 
 def load(folder: Path, quantization: str, device_map):
@@ -39,7 +39,7 @@ def load(folder: Path, quantization: str, device_map):
     return scheme.after_load(model).eval()
 
 
-def run(folder: Path, quantization: str, placement: str) -> dict:
+def encode(folder: Path, quantization: str, placement: str) -> dict:
     from transformers import AutoTokenizer
 
     gpus = range(torch.cuda.device_count())
@@ -73,50 +73,49 @@ def run(folder: Path, quantization: str, placement: str) -> dict:
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--quantization", default="nf4")
-    args = parser.parse_args()
+def markdown(result: dict) -> str:
+    cells = []
+    for r in result["rows"]:
+        cells.append(
+            [
+                r["placement"],
+                " / ".join(f"{p:.2f}" for p in r["peak_gib"]),
+                " / ".join(f"{p:.2f}" for p in r["resident_gib"]),
+                ", ".join(f"{k}: {v}" for k, v in sorted(r["modules_per_device"].items())),
+                f"{r['load_s']:.2f}",
+                f"{r['total_s']:.2f}",
+                f"{r['cosine_vs_one_gpu']:.6f}",
+            ]
+        )
+    header = ["placement", "peak per GPU", "resident per GPU", "modules per device", "load s", "total s"]
+    lines = [
+        f"T5-XXL {result['quantization']} (every linear quantized), bf16 compute, one 300-token prompt. "
+        "GiB = 2^30 bytes; cosine: the embeddings against one GPU's.",
+        "",
+        *harness.table([*header, "cosine"], cells),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "multi_gpu")
+    p.add_argument("--quantization", default="nf4")
+    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("model_dir",))
     if torch.cuda.device_count() < 2:
         print(
             f"multi_gpu: {torch.cuda.device_count()} GPU(s) visible; this needs two or more", file=sys.stderr
         )
         return 2
-    run(args.model_dir, args.quantization, "one GPU")  # warm-up: CUDA contexts, kernels, file cache
-    rows = [run(args.model_dir, args.quantization, p) for p in ("one GPU", "balanced")]
+    run = harness.run(p, args)
+    encode(args.model_dir, args.quantization, "one GPU")  # warm-up: CUDA contexts, kernels, file cache
+    rows = [encode(args.model_dir, args.quantization, where) for where in ("one GPU", "balanced")]
     reference = rows[0]["embeds"].flatten().double()
     for row in rows:
         out = row.pop("embeds").flatten().double()
         row["cosine_vs_one_gpu"] = float(torch.nn.functional.cosine_similarity(out, reference, dim=0))
-    meta = {
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "quantization": args.quantization,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "multi_gpu.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    lines = [
-        f"{len(meta['gpus'])} × {meta['gpus'][0]}, {meta['date']}, torch {meta['torch']}; T5-XXL "
-        f"{args.quantization} (every linear quantized), bf16 compute, one 300-token prompt. GiB = 2^30 bytes.",
-        "",
-        "| placement | peak per GPU | resident per GPU | modules per device | load s | total s | cosine |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        peaks = " / ".join(f"{p:.2f}" for p in r["peak_gib"])
-        resident = " / ".join(f"{p:.2f}" for p in r["resident_gib"])
-        modules = ", ".join(f"{k}: {v}" for k, v in sorted(r["modules_per_device"].items()))
-        lines.append(
-            f"| {r['placement']} | {peaks} | {resident} | {modules} | {r['load_s']:.2f} | {r['total_s']:.2f} "
-            f"| {r['cosine_vs_one_gpu']:.6f} |"
-        )
-    (args.out / "multi_gpu.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    data = {"quantization": args.quantization, "rows": rows}
+    result = harness.write(args, data, run=run, title=TITLE, render=markdown)
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
 

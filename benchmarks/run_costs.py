@@ -5,11 +5,12 @@ costs (its unload, and the load that brings it back). In one process with ComfyU
 full-size architecture with random weights, 1024², 20 steps, cfg 4.5, dpmpp_2m/normal as KSampler runs
 it), each phase timed with the device synchronized at its edges.
 
-    python benchmarks/run_costs.py --comfyui ComfyUI --model-dir pixart-full --out DIR [--dynamic-vram]
+    python benchmarks/run_costs.py --comfyui ComfyUI --model-dir pixart-full [--dynamic-vram]
 
-On a CPU machine ``--preset tiny --size 272 --steps 2`` checks the script. Writes run_costs.json and
-run_costs_profile.txt (cProfile of one run start with the LoRA, by cumulative time) and, on a GPU,
-run_costs_load_profile.txt (one unload and load under torch's profiler and cProfile) to --out.
+On a CPU machine ``--preset tiny --size 272 --steps 2 --out DIR`` checks the script. Writes run_costs.json
+and run_costs.md to --out (benchmarks/results), and to benchmarks/traces/run_costs/ profile.txt (cProfile of
+one run start with the LoRA, by cumulative time) and, on a GPU, load_profile.txt (one unload and load under
+torch's profiler and cProfile).
 """
 
 from __future__ import annotations
@@ -18,19 +19,14 @@ import cProfile
 import dataclasses
 import io
 import json
-import platform
 import pstats
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
+import harness
 import torch
+from model_lora import arguments, comfy_modules, ksample, ksampler_settings, random_embeds
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from model_lora import arguments, comfy_modules, ksample, ksampler_settings, random_embeds  # noqa: E402
+TITLE = "Around a KSampler prompt's forwards on the int8 MODEL"
 
 
 def sync() -> None:
@@ -61,13 +57,41 @@ class Phases:
         return taken
 
 
-def main() -> None:
-    parser = arguments(__doc__)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args()
+def markdown(result: dict) -> str:
+    """The later prompts' means per configuration (ms), and the MODEL's moves off the GPU and back."""
+    phases = ["seconds", "load_models_gpu", "run start (ON_PRE_RUN)", "run end (ON_CLEANUP)"]
+    cells = [
+        [row["name"]] + [f"{1000 * row['later'].get(phase, 0.0):.1f}" for phase in phases]
+        for row in result["rows"]
+    ]
+    lines = [
+        f"{result['patcher']} (Dynamic VRAM {'on' if result['dynamic_vram'] else 'off'}), "
+        f"{result['arguments'].get('size')}², {result['arguments'].get('steps')} steps, cfg 4.5, "
+        f"dpmpp_2m/normal, a rank-{result['arguments'].get('rank')} LoRA at strength 1; the later prompts' "
+        "means in ms, each phase timed with the device synchronized at its edges.",
+        "",
+        *harness.table(["MODEL", "prompt", *phases[1:]], cells),
+        "",
+        "The MODEL taken off the GPU and brought back (ComfyUI's unload_all_models, then load_models_gpu), ms:",
+        "",
+    ]
+    moves = [
+        [
+            "page-locked host copies" if move.get("homes") else "as ComfyUI moves a plain MODEL",
+            "kept" if move.get("cache kept") else "emptied",
+            f"{1000 * move['unload']:.1f}",
+            f"{1000 * move['load']:.1f}",
+        ]
+        for move in result["moves"]
+    ]
+    lines += harness.table(["where the weights wait", "allocator cache", "unload", "load"], moves)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arguments(__doc__, "run_costs", prompts=4)
+    args = harness.parse(parser, argv, title=TITLE, render=markdown, required=("comfyui", "model_dir"))
+    measured = harness.run(parser, args, args.comfyui)
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     import comfy.model_management as mm
@@ -169,31 +193,13 @@ def main() -> None:
         pstats.Stats(python_profile, stream=listing).sort_stats("tottime").print_stats(25)
         load_profile += "\n\nload_models_gpu under cProfile, by own time\n" + listing.getvalue()
 
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
-        "torch": torch.__version__,
-        "comfyui": (args.comfyui / "comfyui_version.py").read_text().split('"')[1]
-        if (args.comfyui / "comfyui_version.py").is_file()
-        else str(args.comfyui),
-        "patcher": type(model).__name__,
-        "dynamic_vram": args.dynamic_vram,
-        "arguments": {
-            "size": args.size,
-            "steps": args.steps,
-            "cfg": 4.5,
-            "rank": args.rank,
-            "prompts": args.prompts,
-        },
-        "rows": rows,
-        "moves": moves,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "run_costs.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "run_costs_profile.txt").write_text(text.getvalue())
+    data = {"patcher": type(model).__name__, "dynamic_vram": args.dynamic_vram, "rows": rows, "moves": moves}
+    result = harness.write(args, data, run=measured, title=TITLE, render=markdown)
+    traces = harness.traces("run_costs")
+    (traces / "profile.txt").write_text(text.getvalue())
     if load_profile:
-        (args.out / "run_costs_load_profile.txt").write_text(load_profile)
-    print(text.getvalue()[:6000])
+        (traces / "load_profile.txt").write_text(load_profile)
+    print(harness.markdown_text(TITLE, result, markdown))
 
 
 if __name__ == "__main__":

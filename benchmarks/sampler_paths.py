@@ -3,7 +3,10 @@ process, on the full-size architecture (random weights) at 1024² with classifie
 20 transformer calls timed after warm-up. Reports the time relative to fp16 eager measured in the same
 run, peak allocated memory, and the output's cosine against fp16 eager.
 
-    python benchmarks/sampler_paths.py --model-dir DIR --out DIR [--only NAME ...]
+    python benchmarks/sampler_paths.py --model-dir pixart-full [--only NAME ...]
+
+The candidates a run measures (fp16 eager always among them) replace those of the same name in
+benchmarks/results/sampler_paths.json (and .md); the others stay, each naming its run.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 
 CALLS = 20  # one 20-step image with cfg: the two halves go through the transformer as one batch
 TOKENS = 300
+TITLE = "The sampler's weight formats against fp16"
+PACKAGES = ("optimum-quanto", "torchao")
 
 # name: (compute dtype, how the weights are made, torch.compile: False, True or a compile mode; for the
 # pack's own loading ("pack-<scheme>"): "fast" = its fast path, "eager" = the same without the compile)
@@ -149,27 +156,23 @@ def run_one(model_dir: str, name: str, out: Path) -> None:
     out.with_suffix(".json").write_text(json.dumps(result))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", nargs="*", default=None, help="candidate names (default: all)")
-    parser.add_argument("--timeout", type=float, default=240)
-    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "sampler_paths", only=True)
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("model_dir",))
     if args.one:
         run_one(str(args.model_dir), args.one[0], Path(args.one[1]))
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
+    run = harness.run(p, args, packages=PACKAGES)
+    work = Path(tempfile.mkdtemp(prefix="sampler-paths-"))
     names = args.only or list(CANDIDATES)
     if "fp16 eager" not in names:
         names.insert(0, "fp16 eager")
     results = {}
     for i, name in enumerate(names):
-        stem = args.out / f"candidate{i}"
-        command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--out", str(args.out)]
+        stem = work / f"candidate{i}"
+        command = [sys.executable, __file__, "--model-dir", str(args.model_dir)]
         try:
             proc = subprocess.run(
                 [*command, "--one", name, str(stem)], capture_output=True, text=True, timeout=args.timeout
@@ -190,44 +193,39 @@ def main() -> int:
             out = r.pop("output").flatten().double()
             r["cosine"] = float(torch.nn.functional.cosine_similarity(out, reference, dim=0))
             r["vs_fp16"] = r["seconds"] / results["fp16 eager"]["seconds"]
-    (args.out / "sampler_paths.json").write_text(json.dumps(meta() | {"results": results}, indent=2))
-    (args.out / "sampler_paths.md").write_text(markdown(results))
-    print(markdown(results))
+    result = harness.write(args, {"rows": results}, run=run, title=TITLE, render=markdown, merge="rows")
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
 
-def meta() -> dict:
-    info = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    for module in ("diffusers", "optimum.quanto", "torchao"):
-        try:
-            info[module] = __import__(module, fromlist=["__version__"]).__version__
-        except ImportError:
-            info[module] = "not installed"
-    return info
-
-
-def markdown(results: dict) -> str:
+def markdown(result: dict) -> str:
     gib = 2**30
-    lines = [
-        f"{meta()['gpu']}, {meta()['date']}, torch {meta()['torch']}; full-size transformer, random weights, "
-        f"1024², batch 2 (cfg), {CALLS} calls after warm-up.",
-        "",
-        "| candidate | time vs fp16 eager | seconds | peak GiB | weights GiB | first call s | cosine vs fp16 |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in results.items():
+    cells = []
+    for name, r in result["rows"].items():
         if "error" in r:
-            lines.append(f"| {name} | fails: {r['error'].replace('|', '/')} | | | | | |")
+            cells.append([name, harness.run_of(result, r), f"fails: {r['error']}", "", "", "", "", ""])
             continue
         finite = "" if r["finite"] else " (not finite)"
-        lines.append(
-            f"| {name} | {r['vs_fp16']:.3f}× | {r['seconds']:.3f} | {r['peak_bytes'] / gib:.2f} | "
-            f"{r['resident_bytes'] / gib:.2f} | {r['first_call_s']:.1f} | {r['cosine']:.5f}{finite} |"
+        cells.append(
+            [
+                name,
+                harness.run_of(result, r),
+                f"{r['vs_fp16']:.3f}×",
+                f"{r['seconds']:.3f}",
+                f"{r['peak_bytes'] / gib:.2f}",
+                f"{r['resident_bytes'] / gib:.2f}",
+                f"{r['first_call_s']:.1f}",
+                f"{r['cosine']:.5f}{finite}",
+            ]
         )
+    header = ["candidate", "run", "time vs fp16 eager", f"seconds ({CALLS} calls)", "peak GiB", "weights GiB"]
+    lines = [
+        f"The full-size transformer, random weights, 1024², batch 2 (cfg), {CALLS} calls timed with CUDA events "
+        "after three warm-up calls, each candidate in a fresh process; time and cosine against fp16 eager of "
+        "the row's own run. Peak: allocated during the calls, weights included.",
+        "",
+        *harness.table([*header, "first call s (compile)", "cosine vs fp16"], cells),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -31,16 +31,18 @@ GPU run (full-size random weights, 512², 50 prompts), in the venv that has Comf
 pack; the first command builds the published PixArt-Σ 1024 shapes with random weights (about 10 GB):
 
     python -m pixart_lowvram demo --preset full --model-dir pixart-full --device cuda --steps 2
-    python benchmarks/soak.py --comfyui /path/to/ComfyUI --model-dir pixart-full --out soak-gpu
+    python benchmarks/soak.py --comfyui /path/to/ComfyUI --model-dir pixart-full
 
 (``--random-preset full`` builds the model in ``--model-dir`` when it is missing, without the demo run.)
-CPU run with the tiny model:
+CPU run with the tiny model (``--out`` elsewhere than the kept result):
 
     python benchmarks/soak.py --comfyui /path/to/ComfyUI --cpu --random-preset tiny \\
         --model-dir pixart-tiny --size 64 --steps 2 --count 50 --out soak-cpu
 
-Writes ``soak.json`` and ``soak.md`` to ``--out``, the images to ``--out``/images; a started server's base
-directory (its output folder, memory reports and server.log) is ``--out``/server unless ``--base`` says.
+Writes ``soak.json`` and ``soak.md`` to ``--out`` (benchmarks/results), the images to ``--work``/images; a
+started server's base directory (its output folder, memory reports and server.log) is ``--work``/server
+unless ``--base`` says. ``--judge SOAK.json`` judges a soak's recorded figures again with this command's
+criteria, without a server: it prints them as JSON.
 """
 
 from __future__ import annotations
@@ -51,17 +53,22 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
+import harness  # first: the tests' server support (comfy_server) is importable once it is
+
+# isort: split
 import comfy_server
 from comfy_server import ServerError
 
 from pixart_lowvram.cli import client as api
 
-WORKFLOW = comfy_server.REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
+TITLE = "Soak"
+WORKFLOW = harness.REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
 T5, SAMPLER, SNAPSHOT = "PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_MemorySnapshot"
 MIB = 2**20
 DECODE, FREE_VRAM = "PixArtQ_VAEDecode", "PixArtQ_FreeVRAM"
@@ -70,21 +77,6 @@ logger = logging.getLogger("soak")
 
 
 # ---- the prompts ----------------------------------------------------------------------------------
-
-
-def without_snapshot(workflow: dict) -> dict:
-    """``workflow`` with the Memory Snapshot nodes removed, their consumers linked to what they passed on."""
-    snapshots = {
-        key: node["inputs"]["value"] for key, node in workflow.items() if node["class_type"] == SNAPSHOT
-    }
-    kept = {key: node for key, node in workflow.items() if key not in snapshots}
-    for node in kept.values():
-        for name, value in node["inputs"].items():
-            if isinstance(value, list) and value[0] in snapshots:
-                if value[1] != 0:
-                    raise api.ClientError(f"--no-snapshot: {name} uses the snapshot's timeline output")
-                node["inputs"][name] = snapshots[value[0]]
-    return kept
 
 
 def build_prompts(args: argparse.Namespace, model: str) -> list[dict]:
@@ -98,7 +90,10 @@ def build_prompts(args: argparse.Namespace, model: str) -> list[dict]:
         if node["class_type"] == SAMPLER:
             inputs.update(width=args.size, height=args.size, steps=args.steps)
     if args.no_snapshot:
-        workflow = without_snapshot(workflow)
+        try:
+            workflow = harness.without(workflow, (SNAPSHOT,))
+        except ValueError as exc:
+            raise api.ClientError(f"--no-snapshot: {exc}") from exc
     workflow = api.apply_overrides(workflow, args.sets)
     prompts = api.expand(workflow, args.count)
     if not args.same_text:
@@ -172,7 +167,7 @@ def soak(args: argparse.Namespace, url: str, pid: int, model: str) -> dict:
     client = api.Client(url)
     client.check(prompts[0])
     deadline = time.monotonic() + args.max_seconds
-    images_dir = args.out / "images"
+    images_dir = args.work / "images"
     result: dict = {
         "settings": {
             "model": model,
@@ -339,11 +334,9 @@ def judge(result: dict, args: argparse.Namespace) -> list[dict]:
     return checks
 
 
-def markdown(result: dict, checks: list[dict]) -> str:
-    s, server = result["settings"], result["server"]
+def markdown(result: dict) -> str:
+    s, server, checks = result["settings"], result["server"], result["criteria"]
     lines = [
-        "# Soak",
-        "",
         f"{s['count']} prompts of the basic workflow, model {s['model']}, {s['size']}², {s['steps']} steps, "
         f"keep_loaded {'on' if s['keep_loaded'] else 'off'}; ComfyUI {server.get('comfyui')}, torch "
         f"{server.get('pytorch')}, device {server.get('device')}; {result.get('seconds', 0):g} s.",
@@ -372,13 +365,10 @@ def markdown(result: dict, checks: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__, "soak", comfyui=True, size=512, steps=20)
     where = p.add_argument_group("the server")
     where.add_argument("--server", help="attach to this running ComfyUI (http://127.0.0.1:PORT or localhost)")
     where.add_argument("--pid", type=int, help="with --server: its process id (default: found by its port)")
-    where.add_argument(
-        "--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="a ComfyUI checkout"
-    )
     where.add_argument(
         "--python",
         default=os.environ.get("COMFYUI_PYTHON") or sys.executable,
@@ -393,10 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="one more argument for the started ComfyUI, e.g. --server-arg=--front-end-root=DIR (repeatable)",
     )
-    where.add_argument("--base", type=Path, help="the started server's base directory (default: OUT/server)")
     where.add_argument(
-        "--model-dir", type=Path, help="a diffusers PixArt-Σ folder, linked into the started server"
+        "--work", type=Path, help="the folder for images/ and server/ (default: a new temporary one)"
     )
+    where.add_argument("--base", type=Path, help="the started server's base directory (default: WORK/server)")
     where.add_argument(
         "--random-preset",
         choices=("tiny", "full"),
@@ -408,8 +398,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--model", help="the model name on the server (default: --model-dir's folder name)")
     run.add_argument("--count", type=int, default=50)
-    run.add_argument("--size", type=int, default=512, help="width and height")
-    run.add_argument("--steps", type=int, default=20)
     run.add_argument("--keep-loaded", action="store_true", help="keep_loaded on in every node")
     run.add_argument("--no-snapshot", action="store_true", help="leave the Memory Snapshot node out")
     run.add_argument(
@@ -424,13 +412,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-from", type=int, default=10, help="the prompt host-memory growth is measured from"
     )
     crit.add_argument("--host-limit", type=float, default=5.0, help="per cent")
-    p.add_argument("--out", type=Path, default=Path("soak"), help="folder for soak.json, soak.md, images/")
+    crit.add_argument(
+        "--judge",
+        type=Path,
+        metavar="SOAK_JSON",
+        help="judge the figures a soak recorded again with these criteria (no server): print them as JSON",
+    )
     return p
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.count < 1 or args.host_from < 1:
         p.error("--count and --host-from must be 1 or more")
+    if args.judge:
+        return
     if args.size % 16:
         p.error(f"--size {args.size}: must be a multiple of 16")
     if args.server:
@@ -447,10 +442,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = harness.parse(parser, argv, title=TITLE, render=markdown)
     check_args(parser, args)
+    if args.judge:
+        checks = judge(json.loads(args.judge.read_text(encoding="utf-8")), args)
+        print(json.dumps(checks, indent=1))
+        return 0 if all(check["passed"] is not False for check in checks) else 1
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args.work = (args.work or Path(tempfile.mkdtemp(prefix="soak-"))).resolve()
     try:
         if args.server:
             url = comfy_server.loopback_url(args.server)
@@ -464,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 ensure_random_pixart(args.model_dir, args.random_preset)
             model = args.model or args.model_dir.name
-            base = args.base or args.out / "server"
+            base = args.base or args.work / "server"
             with comfy_server.started(
                 args.comfyui,
                 base.resolve(),
@@ -478,13 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ServerError, api.ClientError) as exc:
         print(f"soak: {exc}", file=sys.stderr)
         return 2
-    checks = judge(result, args)
-    result["criteria"] = checks
-    (args.out / "soak.json").write_text(json.dumps(result, indent=2))
-    summary = markdown(result, checks)
-    (args.out / "soak.md").write_text(summary)
-    print(summary)
-    return 0 if all(check["passed"] is not False for check in checks) else 1
+    result["criteria"] = judge(result, args)
+    run = harness.run(parser, args, None if args.server else args.comfyui)
+    result = harness.write(args, result, run=run, title=TITLE, render=markdown)
+    print(harness.markdown_text(TITLE, result, markdown))
+    return 0 if all(check["passed"] is not False for check in result["criteria"]) else 1
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Stage-by-stage memory, time and fidelity of the pack's configurations on one GPU.
 
 Builds the full PixArt-Σ 1024 architecture with random weights (once, in --model-dir), then runs each
-configuration in a fresh process (so no allocator state carries over) and compares its T5 embeddings
-and final latents with the unquantized reference (T5 bf16, transformer fp16). Writes results.json and
-results.md to --out. With --comfyui (a ComfyUI checkout, used in place) the table gains ComfyUI core's own
-PixArt-Σ path, its memory manager told the card has --card-gb GB, with and without --lowvram
-(benchmarks/comfyui_path.py).
+configuration in a fresh process (so no allocator state carries over) and compares its T5 embeddings and
+final latents with the run's first row (the unquantized reference: T5 bf16, transformer fp16, unless
+``--only`` leaves it out). With --comfyui (a ComfyUI checkout, used in place) the table gains ComfyUI core's
+own PixArt-Σ path, its memory manager told the card has --card-gb GB, with and without --lowvram
+(comfyui_path.py). The rows a run measures replace those of the same name in benchmarks/results/stages.json
+(and stages.md); the others stay, each naming its run.
 
-    python benchmarks/stages.py --model-dir pixart-full --out benchmarks/results [--comfyui ComfyUI]
+    python benchmarks/stages.py --model-dir pixart-full [--comfyui ComfyUI] [--only NAME ...] [--profile]
+
+``--profile`` writes each configuration's top functions (cProfile) to benchmarks/traces/stages/.
 """
 
 from __future__ import annotations
@@ -17,15 +20,14 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
-import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+import harness
 
 # name: settings of the pack's stages; "pipeline" rows run diffusers' PixArtSigmaPipeline instead.
 CONFIGS: dict[str, dict] = {
@@ -51,13 +53,16 @@ CONFIGS: dict[str, dict] = {
         t5="none", weights="qint8", tiling="on", cache="on", low_vram=True
     ),
 }
-SETTINGS = dict(width=1024, height=1024, steps=20, cfg=4.5, seed=0)
-PROMPT = "a photo of a red cat sitting in a sunlit garden, detailed fur"
+SETTINGS = dict(width=harness.SIZE, height=harness.SIZE, steps=harness.STEPS, cfg=harness.CFG, seed=0)
+PROMPT = harness.PROMPT
+TITLE = "Memory and time per stage, fresh process"
+PACKAGES = ("bitsandbytes", "optimum-quanto")
 
 
 def run_one(model_dir: str, config: dict, out: Path) -> None:
     """One configuration, in this (fresh) process: the three stages, figures and tensors to ``out``."""
     import diffusers  # noqa: F401  (imported before the clock starts: ComfyUI has it loaded already)
+    import torch
     import transformers  # noqa: F401
 
     if "pipeline" in config:
@@ -92,6 +97,7 @@ def run_one(model_dir: str, config: dict, out: Path) -> None:
 def run_pipeline(model_dir: str, placement: str, out: Path) -> None:
     """diffusers' own PixArtSigmaPipeline in fp16, all on the GPU or with model offload; one peak for the
     whole run (the pipeline has no stages to measure apart)."""
+    import torch
     from diffusers import PixArtSigmaPipeline
 
     start = time.perf_counter()
@@ -111,7 +117,10 @@ def run_pipeline(model_dir: str, placement: str, out: Path) -> None:
         output_type="latent",
         return_dict=False,
     )[0]
-    images = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    # The pipeline runs without autograd; its VAE's decode called here must too, or the decode's
+    # activations stay referenced from the image and count in the peak.
+    with torch.inference_mode():
+        images = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = {
@@ -128,24 +137,110 @@ def run_pipeline(model_dir: str, placement: str, out: Path) -> None:
     )
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+def cosine(a, b) -> float:
+    import torch
+
     return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--only", nargs="*", default=None, help="configuration names (default: all)")
-    parser.add_argument("--comfyui", type=Path, help="a ComfyUI checkout: add its core path's rows")
-    parser.add_argument("--card-gb", type=float, default=8.0, help="the card ComfyUI's rows are told of")
-    parser.add_argument(
-        "--profile", action="store_true", help="write each configuration's top functions (cProfile) to OUT"
-    )
-    parser.add_argument("--one", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+def measure(args, work: Path) -> dict:
+    """Every configuration of ``args`` in a fresh process each, its rows with cosines against the first."""
+    import torch
+
+    from pixart_lowvram.cli.random_model import ensure_random_pixart
+
+    ensure_random_pixart(args.model_dir, "full", device="cuda", dtype=torch.bfloat16)
+    # torch.compile's on-disk cache starts empty, as the quantized cache does: the first fast row
+    # compiles, the second reads it.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor_cache")
+    names = args.only or list(CONFIGS)
+    rows, tensors = {}, {}
+    for i, name in enumerate(names):
+        stem = work / f"config{i}"
+        command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", name, str(stem)]
+        subprocess.run(command + (["--profile"] if args.profile else []), check=True)
+        rows[name] = {**CONFIGS[name], **json.loads(stem.with_suffix(".json").read_text())}
+        tensors[name] = torch.load(stem.with_suffix(".pt"), weights_only=True)
+    first = names[0]
+    reference = tensors[first]
+    for name, row in rows.items():
+        if "embeds" in tensors[name] and "embeds" in reference:
+            row["embeds_cosine"] = cosine(tensors[name]["embeds"], reference["embeds"])
+        row["latents_cosine"] = cosine(tensors[name]["latents"], reference["latents"])
+        row["image_mean_abs_diff"] = float((tensors[name]["images"] - reference["images"]).abs().mean())
+        row["cosines_against"] = first
+    if args.comfyui:
+        rows.update(comfyui_rows(args, work))
+    return rows
+
+
+def comfyui_rows(args, work: Path) -> dict:
+    """ComfyUI core's rows, each configuration in a fresh process (comfyui_path.py). Their embeds cosine is
+    against the pack's bf16 T5 on ComfyUI's tokens; their latents are not comparable (other noise)."""
+    out = work / "comfyui"
+    script = Path(__file__).with_name("comfyui_path.py")
+    size, steps, cfg, seed = SETTINGS["width"], SETTINGS["steps"], SETTINGS["cfg"], SETTINGS["seed"]
+    subprocess.run(
+        [sys.executable, str(script), "--comfyui", str(args.comfyui), "--model-dir", str(args.model_dir),
+         "--card-gb", str(args.card_gb), "--lowvram", "--size", str(size), "--steps", str(steps),
+         "--cfg", str(cfg), "--seed", str(seed), "--out", str(out), "--work", str(out)],
+        check=True,
+    )  # fmt: skip
+    rows = json.loads((out / "comfyui_path.json").read_text())["rows"]
+    return {
+        name: row | {"cosines_against": "the pack's bf16 T5 on ComfyUI's tokens"}
+        for name, row in rows.items()
+    }
+
+
+COMFYUI_NOTE = (
+    " ComfyUI rows: each stage is a loader node and the node using it (core loads lazily; peaks reset at "
+    "each stage's start, so what an earlier stage left loaded counts); their embeds cos is against the "
+    "pack's bf16 T5 on ComfyUI's tokens; core's noise differs, so no latents cos."
+)
+
+
+def markdown(result: dict) -> str:
+    """The stages' table: per-stage peak allocated GiB, seconds, cosines, each row's run."""
+    rows = result["rows"]
+    lines = [
+        "1024², 20 steps, cfg 4.5 unless a run's command says otherwise. Peaks are allocated GiB (2^30 "
+        "bytes); seconds per stage and in total (weights on disk to image, in a fresh process; diffusers "
+        "and transformers imported before the clock, so the total minus the stages is the rest of a cold "
+        "start: bitsandbytes and optimum-quanto loading on first use, tokenizer, configs). Cosines are "
+        "against the first row of the row's own run (the last column); with random weights they measure "
+        "the arithmetic, not image quality."
+        + (COMFYUI_NOTE if any(name.startswith("ComfyUI") for name in rows) else ""),
+        "",
+    ]
+    cells = []
+    for name, r in rows.items():
+        peaks = [stage.get("peak_allocated") for stage in r["stages"]]
+        times = [stage["seconds"] for stage in r["stages"]]
+        if len(peaks) == 1:  # a diffusers pipeline: one figure for the whole run
+            row = ["–"] * 3 + [harness.gib(peaks[0])] + ["–"] * 3
+        elif None in peaks:  # ComfyUI's path on the CPU: no memory figures
+            row = ["–"] * 4 + [f"{t:.2f}" for t in times]
+        else:
+            row = [harness.gib(p) for p in [*peaks, max(peaks)]] + [f"{t:.2f}" for t in times]
+        row += [
+            f"{r['seconds']:.2f}",
+            f"{r['embeds_cosine']:.4f}" if "embeds_cosine" in r else "–",
+            f"{r['latents_cosine']:.4f}" if "latents_cosine" in r else "–",
+            r.get("cosines_against", "–"),
+        ]
+        cells.append([name, harness.run_of(result, r), *row])
+    header = ["configuration", "run", "T5 peak", "sampler peak", "VAE peak", "whole peak", "T5 s"]
+    header += ["sampler s", "VAE s", "total s", "embeds cos", "latents cos", "cosines against"]
+    return "\n".join(lines + harness.table(header, cells)) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "stages", comfyui=True, only=True)
+    p.add_argument("--card-gb", type=float, default=8.0, help="the card ComfyUI's rows are told of")
+    p.add_argument("--profile", action="store_true", help="each row's top functions (cProfile), in traces/")
+    p.add_argument("--one", nargs=2, metavar=("NAME", "OUT"), help=argparse.SUPPRESS)
+    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("model_dir",))
     if args.one:
         out = Path(args.one[1])
         profile = cProfile.Profile() if args.profile else None
@@ -156,101 +251,13 @@ def main() -> int:
             profile.disable()
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
-            out.with_suffix(".profile.txt").write_text(text.getvalue())
+            (harness.traces("stages") / f"{out.name}.profile.txt").write_text(text.getvalue())
         return 0
-
-    from pixart_lowvram.cli.random_model import ensure_random_pixart
-
-    ensure_random_pixart(args.model_dir, "full", device="cuda", dtype=torch.bfloat16)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    shutil.rmtree(args.out / "quant_cache", ignore_errors=True)  # the first cached config starts cold
-    # torch.compile's on-disk cache, the same way: the first fast row compiles, the second reads it
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((args.out / "inductor_cache").resolve())
-    shutil.rmtree(args.out / "inductor_cache", ignore_errors=True)
-    names = args.only or list(CONFIGS)
-    for i, name in enumerate(names):
-        stem = args.out / f"config{i}"
-        subprocess.run(
-            [sys.executable, __file__, "--model-dir", str(args.model_dir), "--one", name, str(stem)]
-            + (["--profile"] if args.profile else []),
-            check=True,
-        )
-        results[name] = {**CONFIGS[name], **json.loads(stem.with_suffix(".json").read_text())}
-        results[name]["tensors"] = torch.load(stem.with_suffix(".pt"), weights_only=True)
-    ref = next(iter(results.values()))["tensors"]
-    for r in results.values():
-        tensors = r.pop("tensors")
-        if "embeds" in tensors:
-            r["embeds_cosine"] = cosine(tensors["embeds"], ref["embeds"])
-        r["latents_cosine"] = cosine(tensors["latents"], ref["latents"])
-        r["image_mean_abs_diff"] = float((tensors["images"] - ref["images"]).abs().mean())
-    if args.comfyui:
-        results.update(comfyui_rows(args))
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "python": platform.python_version(),
-        "settings": SETTINGS,
-    }
-    for module in ("transformers", "diffusers", "bitsandbytes", "optimum.quanto"):
-        meta[module] = getattr(__import__(module, fromlist=["__version__"]), "__version__", "?")
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (args.out / "results.md").write_text(markdown(meta, results))
-    print(markdown(meta, results))
+    run = harness.run(p, args, args.comfyui, PACKAGES)
+    rows = measure(args, Path(tempfile.mkdtemp(prefix="stages-")))
+    result = harness.write(args, {"rows": rows}, run=run, title=TITLE, render=markdown, merge="rows")
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
-
-
-COMFYUI_NOTE = (
-    " ComfyUI rows: each stage is a loader node and the node using it (core loads lazily); embeds cos is "
-    "against the pack's bf16 T5 on ComfyUI's tokens; core's noise differs, so no latents cos."
-)
-
-
-def comfyui_rows(args) -> dict:
-    """ComfyUI core's rows, each configuration in a fresh process (benchmarks/comfyui_path.py). Their embeds
-    cosine is against the pack's bf16 T5 on ComfyUI's tokens; their latents are not comparable (other noise)."""
-    out = args.out / "comfyui"
-    script = Path(__file__).with_name("comfyui_path.py")
-    size, steps, cfg, seed = SETTINGS["width"], SETTINGS["steps"], SETTINGS["cfg"], SETTINGS["seed"]
-    subprocess.run(
-        [sys.executable, str(script), "--comfyui", str(args.comfyui), "--model-dir", str(args.model_dir),
-         "--card-gb", str(args.card_gb), "--lowvram", "--size", str(size), "--steps", str(steps),
-         "--cfg", str(cfg), "--seed", str(seed), "--out", str(out)],
-        check=True,
-    )  # fmt: skip
-    return json.loads((out / "results.json").read_text())["results"]
-
-
-def markdown(meta: dict, results: dict) -> str:
-    gib = 2**30
-    lines = [
-        f"{meta['gpu']}, {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, diffusers "
-        f"{meta['diffusers']}, bitsandbytes {meta['bitsandbytes']}, optimum-quanto {meta['optimum.quanto']}; "
-        "1024², 20 steps, cfg 4.5. Peaks are allocated GiB (2^30 bytes); seconds per stage and in total "
-        "(weights on disk to image, in a fresh process; diffusers and transformers imported before the clock, "
-        "so the total minus the stages is the rest of a cold start: bitsandbytes and optimum-quanto loading on "
-        "first use, tokenizer, configs). Cosines are against the reference row of the same run; with random "
-        "weights they measure the arithmetic, not image quality."
-        + (COMFYUI_NOTE if any(name.startswith("ComfyUI") for name in results) else ""),
-        "",
-        "| configuration | T5 peak | sampler peak | VAE peak | whole peak | T5 s | sampler s | VAE s | total s "
-        "| embeds cos | latents cos |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in results.items():
-        peaks = [stage["peak_allocated"] / gib for stage in r["stages"]]
-        times = [stage["seconds"] for stage in r["stages"]]
-        if len(peaks) == 1:  # a diffusers pipeline: one figure for the whole run
-            cells = ["–"] * 3 + [f"{peaks[0]:.2f}"] + ["–"] * 3
-        else:
-            cells = [f"{p:.2f}" for p in [*peaks, max(peaks)]] + [f"{t:.2f}" for t in times]
-        embeds = f"{r['embeds_cosine']:.4f}" if "embeds_cosine" in r else "–"
-        latents = f"{r['latents_cosine']:.4f}" if "latents_cosine" in r else "–"
-        cells += [f"{r['seconds']:.2f}", embeds, latents]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,85 +1,37 @@
-"""Per prompt, from the first on: five prompts, each with its own text and seed, in one process per
-configuration, and the same through a running ComfyUI server.
+"""Per prompt, from the first on: five prompts, each with its own text and seed, then the first again, in
+one process per configuration and through a running ComfyUI server, beside the anchor (diffusers'
+PixArtSigmaPipeline in fp16 with everything on the GPU, loading not timed) measured in the same run.
 
-The anchor is diffusers' PixArtSigmaPipeline in fp16 with everything already on the GPU (loading it is not
-timed); every other row is given as a ratio to the anchor's later prompts, measured in the same run. In one
-process (``--model-dir``, the full-size model: ``python -m pixart_lowvram demo --preset full --model-dir
-pixart-full --device cuda --steps 2``):
-
-- ``anchor``: the pipeline, latents, then its VAE decode;
-- ``pack defaults``: encode (T5 nf4), sample (qint8), decode, as the library runs them (the host-memory
-  pool on, so later prompts load nothing from disk), with PyTorch's expandable segments as the command line
-  asks for them (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); ``pack defaults, PyTorch's default
-  segments``: the same without them (what the caching allocator reserves beyond what is allocated);
-  ``pack defaults, 3.0 GiB cap``: with the allocator capped at 3.0 GiB
-  (``torch.cuda.set_per_process_memory_fraction``);
-- ``pack fast``: the sampler's compiled path;
-- ``pack step_cache T``: the sampler's First Block Cache at threshold T (lossy), with its fidelity against
-  ``pack defaults`` prompt by prompt (latent cosine, image PSNR);
-- ``pack low-VRAM, 1.0 GiB cap``: low_vram on every stage, tiled decode, allocator capped at 1.0 GiB; and
-  ``pack low-VRAM + fast``, the same with the compiled sampler (every row but one with expandable segments);
-- ``ComfyUI core, card told 8 GB`` (with ``--comfyui``): core's own PixArt-Σ nodes as a library, its
-  memory manager told the card has 8 GB (benchmarks/comfyui_path.py's ``simulate_card``), the loaded models
-  kept referenced between prompts as a server's node cache keeps them.
-
-Through a server (with ``--comfyui``; a fresh server each, same prompts and seeds), each bundled workflow as
-shipped (its Memory Snapshot node included, which only reports unless asked for the allocator history):
-``server: pack defaults`` (the bundled basic workflow), ``server: pack defaults, no Memory Snapshot`` (the
-snapshot's cost is the difference), ``server: pack fast`` (its sampler's fast on), ``server: pack fast +
-step_cache 0.1``, ``server: pack low-VRAM`` (the bundled low-VRAM workflow) and ``server: pack keep_loaded``
-(the basic workflow, every model kept); ``server: pack int8 MODEL, core KSampler`` (the bundled LoRA workflow
-without its LoRA loader); ``server: LoRA + KSampler, strength 1`` and ``…, strength 0`` (the bundled LoRA
-workflow as shipped, a random rank-16 LoRA on every attention and feed-forward layer written into the
-server's models/loras) and ``…, strength 1, MODEL kept`` (the same with the int8 Model Loader's keep_loaded
-on); ``server: ComfyUI core fp16 + Batched Guidance`` (core's graph below with the pack's
-patch node before KSampler); ``server: ComfyUI core fp16``
-(core's own graph: CLIPLoader T5-XXL fp16, UNETLoader, KSampler dpmpp_2m, VAELoader, VAEDecode, SaveImage,
-on the single files of the same weights) with the server's defaults and with ``--disable-dynamic-vram``.
-Every server row also records the card's used memory during each prompt (``cudaMemGetInfo``, what NVML
-reads: all processes, this client's CUDA context included). The server runs with ComfyUI's own defaults (its allocator choice included); each stage's seconds and
-GPU peaks come from the pack's log line for it in the server's log, and the prompt's from its stages.
+The rows are :data:`CONFIGS`: in one process (``--model-dir``, the full-size model) the pack's stages as
+the library runs them (the host-memory pool on, PyTorch's expandable segments as the command line sets
+them) with its options (``fast``, ``step_cache``, ``compute``, low VRAM, allocator caps; the lossy ones with
+their fidelity against ``pack defaults``), and ComfyUI core's own nodes as a library, told the card has
+8 GB; through a server (``--comfyui``, a fresh server per row, its defaults) each bundled API workflow as
+shipped or changed as the row says, the LoRA workflow with a random rank-16 LoRA, and core's own fp16
+graph (CLIPLoader, UNETLoader, KSampler, VAELoader, VAEDecode, SaveImage on single files of the same
+weights), with the pack's Batched Guidance node and with ``--disable-dynamic-vram``.
 ``$COMFYUI_EXTRA_ARGS`` goes on the server's command line (e.g. ``--disable-api-nodes --front-end-root
-DIR`` where ComfyUI's front-end and API-node packages are not installed).
+DIR``); the server rows need ComfyUI's requirements and websocket-client in this Python.
 
-Per prompt: seconds (wall clock, the stages or the HTTP round trip) and each stage's seconds and peaks,
-GPU peak allocated and reserved (in one process; reset at each prompt's start), host RSS after the prompt (the server's whole process tree), bytes
-the pack copied from CPU memory to the GPU (``core.streaming.copied_to_device``: models moved back from host
-memory and streamed blocks; reads from disk are not counted), and what the pack's host-memory pool holds.
-For the anchor also the seconds its image takes to write as ComfyUI's SaveImage writes it (PNG, compress
-level 4; not in its seconds), the server rows' share of that. A sixth prompt repeats the first's text and seed: its image must equal the first's bit for bit (digests of
-each prompt's embeddings and latents say which stage differs when it does). ``--profile DIR`` writes torch
-profiler tables of the third prompt of each configuration; for a server row, of the server's own prompt
-worker (``benchmarks/prompt_profiler``): cProfile's tables of its third prompt and torch's of its fourth.
-``--phases DIR``: each server prompt's nodes, model loads and unloads and transformer forwards timed in the
-server (host seconds, and GPU seconds and idle time from CUDA events), one JSON line a prompt. Every server
-prompt also records the host during it (``host``: the share of the machine's CPU time stolen by the
-hypervisor and busy, and the server process's CPU seconds, from /proc), a gauge of the host's speed.
+Per prompt: seconds (through a server, submit to image downloaded) and each stage's seconds and peaks
+(through a server, from the pack's log lines), GPU peak allocated and reserved, host RSS (the server's
+whole process tree), the bytes copied from host memory to the GPU and what the host-memory pool holds;
+through a server also the card's used memory, each node's seconds (the websocket), ComfyUI's own time and
+the host's CPU during the prompt. For the anchor also the seconds its image takes to write as SaveImage
+writes it (PNG, level 4; not in its seconds). The sixth image must equal the first bit for bit.
 
-    python benchmarks/warm.py --model-dir pixart-full --comfyui /path/to/ComfyUI --out benchmarks/results
+    python benchmarks/warm.py --model-dir pixart-full --comfyui ComfyUI --only "pack defaults" \\
+        --only "server: pack defaults"
 
-Writes warm.json and warm.md to --out (``--stem NAME``: NAME.json and NAME.md).
-
-The server rows of issue 27, on the GPU machine (ComfyUI v0.33.0 and its requirements, websocket-client;
-the full-size random model in pixart-full)::
-
-    COMFYUI_EXTRA_ARGS="--disable-api-nodes --front-end-root EMPTY_DIR" python benchmarks/warm.py \
-        --model-dir pixart-full --comfyui ComfyUI --out benchmarks/results --stem warm_server \
-        --only "server: pack defaults, no Memory Snapshot" --only "server: LoRA + KSampler, strength 1" \
-        --only "server: LoRA + KSampler, strength 0" --only "server: ComfyUI core fp16" \
-        --only "server: ComfyUI core fp16 + Batched Guidance"
-
-``--laps N``: each server row runs prompts 2–5 again N − 1 times after the six (its later prompts are all
-but the first and the repeat), and every further lap's image must equal its first lap's. ``--interleave``:
-the server rows side by side, all their servers up at once and each prompt on each server in turn (the
-order rotated by one each prompt), so that every row meets the same host periods, with each row compared
-prompt by prompt against the first (and the patched core row against core's own); the card's used memory
-is not told apart per server there. ``--until SECONDS``: the server rows stop after their last whole lap
-that ends within SECONDS of the command's start (a run under a time limit keeps whole laps).
-
-``--cpu-check`` runs server rows on a CPU server (272², 2 steps; core's graph takes the pack's T5 encode and
-VAE decode there, since CLIPLoader and VAELoader build full-size models) to check that they run, e.g. with
-the smallest model core loads (``build_random_pixart(DIR, "tiny-core")``): the same ``--only`` list with
-``--model-dir DIR --comfyui ComfyUI --out OUT --cpu-check``.
+The rows a run measures replace those of the same name in benchmarks/results/warm.json (and warm.md); the
+others stay, each naming its run. ``--rounds N``: server rows run prompts 2–5 again N − 1 times, each
+round's image equal to its first round's. ``--interleave``: the server rows' servers all up at once, each
+prompt on each in turn (the order rotated each prompt), compared prompt by prompt. ``--until SECONDS``: no
+round starts that would end later. ``--profile``: torch profiler tables of the third prompt of each
+one-process row, in benchmarks/traces/warm/. ``--cpu-check``: server rows on a CPU server, 272², 2 steps
+(core's graph takes the pack's T5 encode and VAE decode there), e.g. with ``build_random_pixart(DIR,
+"tiny-core")``. ``--self-check``: the rounds, the time limit and the interleaved comparison checked without
+a GPU or a server.
 """
 
 from __future__ import annotations
@@ -88,62 +40,54 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import harness
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-GIB = 2**30
-SETTINGS = {"width": 1024, "height": 1024, "steps": 20, "cfg": 4.5}
-PROMPTS = [
-    ("a photo of a red cat sitting in a sunlit garden, detailed fur", 0),
-    ("a lighthouse on a rocky coast at dusk, waves, long exposure", 1),
-    ("a bowl of ramen with a soft egg, studio lighting, top view", 2),
-    ("an astronaut riding a horse across a desert, cinematic", 3),
-    ("a watercolour painting of a snowy mountain village", 4),
-]
+GIB = harness.GIB
+SETTINGS = {"width": harness.SIZE, "height": harness.SIZE, "steps": harness.STEPS, "cfg": harness.CFG}
+PROMPTS = harness.PROMPTS
 REPEAT = PROMPTS[0]  # the sixth prompt: the first's text and seed again
 REPEAT_INDEX = len(PROMPTS)
-LAP = len(PROMPTS) - 1  # the prompts of each lap past the first: 2–5
+ROUND = len(PROMPTS) - 1  # the prompts of each round past the first: 2–5
+TITLE = "Per prompt, from the first on"
 
 
-def sequence(laps: int = 1) -> list[tuple[str, int]]:
-    """The prompts a row runs: the five, the first again, then for each lap past the first prompts 2–5
-    again (each lap's prompt follows a different one, so ComfyUI's cache of the last prompt reruns it)."""
-    return [*PROMPTS, REPEAT] + PROMPTS[1:] * (laps - 1)
+def sequence(rounds: int = 1) -> list[tuple[str, int]]:
+    """The prompts a row runs: the five, the first again, then for each round past the first prompts 2–5
+    again (each round's prompt follows a different one, so ComfyUI's cache of the last prompt reruns it)."""
+    return [*PROMPTS, REPEAT] + PROMPTS[1:] * (rounds - 1)
 
 
-def laps_by(laps: int, until: float | None = None):
-    """``enumerate(sequence(laps))``, but where ``until`` (a ``time.time()``) is given a lap past the first
-    starts only where, at the pace so far, it ends by then: a run with a time limit keeps whole laps."""
+def rounds_by(rounds: int, until: float | None = None):
+    """``enumerate(sequence(rounds))``, but where ``until`` (a ``time.time()``) is given a round past the
+    first starts only where, at the pace so far, it ends by then: a run with a time limit keeps whole
+    rounds."""
     began = time.time()
-    for index, item in enumerate(sequence(laps)):
-        if until and index > REPEAT_INDEX and (index - REPEAT_INDEX - 1) % LAP == 0:
+    for index, item in enumerate(sequence(rounds)):
+        if until and index > REPEAT_INDEX and (index - REPEAT_INDEX - 1) % ROUND == 0:
             pace = (time.time() - began) / index
-            if time.time() + pace * LAP > until:
+            if time.time() + pace * ROUND > until:
                 return
         yield index, item
 
 
 def later_records(records: list[dict]) -> list[dict]:
-    """A row's later prompts: 2–5 and every further lap's (not the first, not the repeat)."""
+    """A row's later prompts: 2–5 and every further round's (not the first, not the repeat)."""
     return records[1:REPEAT_INDEX] + records[REPEAT_INDEX + 1 :]
 
 
 LORA_FILE = "random_rank16_lora.safetensors"  # the LoRA rows' LoRA, written into the server's models/loras
 # --cpu-check: the server rows on a CPU server with a small model, at this size and these steps.
-CPU_CHECK = {"width": 272, "height": 272, "steps": 2}
+CPU_CHECK = {"size": 272, "steps": 2}
 STEP_CACHE = (0.05, 0.1, 0.2)  # the sampler's step_cache thresholds measured
 
 # PyTorch's expandable segments, as the command line asks for them (core.measure.prefer_expandable_segments).
@@ -335,25 +279,9 @@ def run_anchor(model_dir: Path) -> tuple[list[dict], list[torch.Tensor]]:
             )[0]
             image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
             image = image.float().cpu()
-        records.append(p.record | {"png_seconds": png_seconds((image / 2 + 0.5).clamp(0, 1))})
+        records.append(p.record | {"png_seconds": harness.png_seconds((image / 2 + 0.5).clamp(0, 1))})
         images.append(image)
     return records, images
-
-
-def png_seconds(image: torch.Tensor) -> float:
-    """Seconds to write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG,
-    compress level 4): what a server prompt pays on top of the generation, for the anchor's side of the
-    comparison (not in the anchor's seconds)."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    start = time.perf_counter()
-    for picture in image:
-        pixels = (picture.permute(1, 2, 0).numpy() * 255.0).clip(0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
-    return time.perf_counter() - start
 
 
 def run_pack(model_dir: Path, config: dict, quant_cache: Path) -> tuple[list[dict], list[torch.Tensor]]:
@@ -512,50 +440,14 @@ def link_core_models(model_dir: Path, base: Path, tree: Path) -> None:
         (base / "models" / folder / name).symlink_to(tree / folder / name)
 
 
-def without(workflow: dict, kinds: tuple[str, ...]) -> dict:
-    """``workflow`` without the nodes of ``kinds``, each one's links taken by what fed its first input."""
-    dropped = {key: node for key, node in workflow.items() if node["class_type"] in kinds}
-    kept = {key: node for key, node in workflow.items() if key not in dropped}
-    for node in kept.values():
-        for name, value in node["inputs"].items():
-            while isinstance(value, list) and value[0] in dropped:
-                value = next(v for v in dropped[value[0]]["inputs"].values() if isinstance(v, list))
-            node["inputs"][name] = value
-    return kept
-
-
-class DeviceUsed:
-    """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
-    context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
-
-    def __init__(self, enabled: bool = True):
-        self.peak, self._stop, self.enabled = 0, threading.Event(), enabled
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
-            self._stop.wait(0.01)
-
-    def __enter__(self):
-        if not self.enabled:
-            self._stop.set()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def run_server(
     model_dir: Path, comfyui: Path, config: dict, base: Path, cpu_check: bool = False
 ) -> tuple[list[dict], list[torch.Tensor]]:
     """A workflow through a real server, its prompts one at a time (:func:`server_row`)."""
     with server_row(model_dir, comfyui, config, base, cpu_check) as prompt:
         done = [
-            prompt(index, text, seed) for index, (text, seed) in laps_by(config["laps"], config.get("until"))
+            prompt(index, text, seed)
+            for index, (text, seed) in rounds_by(config["rounds"], config.get("until"))
         ]
     return [record for record, _ in done], [image for _, image in done]
 
@@ -564,7 +456,7 @@ def run_together(
     names: list[str],
     model_dir: Path,
     comfyui: Path,
-    laps: int,
+    rounds: int,
     work: Path,
     cpu_check: bool = False,
     until: float | None = None,
@@ -588,7 +480,7 @@ def run_together(
             )
             for name in names
         }
-        for index, (text, seed) in laps_by(laps, until):
+        for index, (text, seed) in rounds_by(rounds, until):
             turn = index % len(names)
             for position, name in enumerate(names[turn:] + names[:turn]):
                 record, image = rows[name](index, text, seed)
@@ -613,7 +505,6 @@ def server_row(
     import comfy_server
     import numpy as np
     from PIL import Image
-    from soak import without_snapshot
 
     from pixart_lowvram.cli import client as api
 
@@ -623,7 +514,7 @@ def server_row(
     else:
         name = config.get("workflow", "pixart_lowvram_basic_api.json")
         workflow = api.load_workflow(comfy_server.REPO / "workflows" / "api" / name)
-        workflow = without(workflow, config.get("drop", ()))
+        workflow = harness.without(workflow, config.get("drop", ()))
         sets = [
             f"{key}.model=pixart-full"
             for key, node in workflow.items()
@@ -636,7 +527,7 @@ def server_row(
         ]
         sets += config.get("sets", [])
         if config.get("no_snapshot"):
-            workflow = without_snapshot(workflow)
+            workflow = harness.without(workflow, ("PixArtQ_MemorySnapshot",))
         if "lora" in config:  # a random rank-16 LoRA on every attention and feed-forward layer
             from pixart_lowvram.cli.random_model import save_random_lora
 
@@ -646,14 +537,6 @@ def server_row(
                     node["inputs"] |= {"lora_name": LORA_FILE, "strength_model": config["lora"]}
     if cpu_check:
         workflow = sized_down(workflow)
-    custom_nodes = {}
-    if config.get("profile") or config.get("phases"):  # the server's prompts timed where they run
-        os.environ |= {
-            "PROMPT_PROFILE_DIR": config.get("profile") or config["phases"],
-            "PROMPT_PROFILE_NAME": config["name"],
-            "PROMPT_PROFILE_TABLES": "1" if config.get("profile") else "0",
-        }
-        custom_nodes["prompt_profiler"] = Path(__file__).parent / "prompt_profiler"
     with comfy_server.started(
         comfyui,
         base,
@@ -661,7 +544,6 @@ def server_row(
         sys.executable,
         cpu=cpu_check,
         extra_args=tuple(config.get("args", ())),
-        custom_nodes=custom_nodes,
     ) as server:
         client = api.Client(server.url)
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
@@ -683,12 +565,12 @@ def server_row(
                 if kind == "executing":
                     starts.append((data.get("node"), time.perf_counter()))
 
-            host_before = host_cpu(server.pid)
+            host_before = comfy_server.cpu_ticks(server.pid)
             start = time.perf_counter()
-            with DeviceUsed(enabled=card_measured) as used:
+            with harness.CardUsed(enabled=card_measured) as used:
                 outcome = client.run(ws, prompt, base / f"images-{index}", 600, None, seen)
             record = {"seconds": time.perf_counter() - start, "rss": comfy_server.tree_rss(server.pid)}
-            record["host"] = host_share(host_before, host_cpu(server.pid))
+            record["host"] = comfy_server.host_share(host_before, comfy_server.cpu_ticks(server.pid))
             record["device_used"] = used.peak if card_measured else None
             record |= node_seconds(starts, start, prompt)
             with server.log.open("rb") as log:
@@ -702,34 +584,6 @@ def server_row(
         finally:
             if ws is not None:
                 ws.close()
-
-
-def host_cpu(pid: int) -> tuple[list[int], int] | None:
-    """The machine's CPU time so far in clock ticks (``/proc/stat``'s first line: user, nice, system, idle,
-    iowait, irq, softirq, steal) and the server process's own (``/proc/PID/stat``'s utime and stime; its
-    threads, not its children); None where there is no /proc."""
-    try:
-        machine = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        own = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return machine, int(own[11]) + int(own[12])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def host_share(before, after) -> dict | None:
-    """What the host did during a prompt, from two :func:`host_cpu` readings: the share of all CPUs' time the
-    hypervisor gave to others (steal) and that was busy (not idle or iowait), and the server's CPU seconds.
-    A gauge of the host's speed: the same prompt's work on a host that is slower for it."""
-    if before is None or after is None:
-        return None
-    delta = [b - a for a, b in zip(before[0], after[0], strict=True)]
-    total = sum(delta) or 1
-    ticks = os.sysconf("SC_CLK_TCK")
-    return {
-        "steal": delta[7] / total,
-        "busy": 1 - (delta[3] + delta[4]) / total,
-        "server_cpu_seconds": (after[1] - before[1]) / ticks,
-    }
 
 
 def node_seconds(starts: list[tuple[str | None, float]], submitted: float, prompt: dict) -> dict:
@@ -777,22 +631,15 @@ def server_stages(log: str) -> dict:
     }
 
 
-def one(name: str, args: argparse.Namespace) -> None:
-    """One configuration in this (fresh) process; its records to ``args.one_out``."""
+def one(name: str, args) -> None:
+    """One configuration in this (fresh) process; its row to ``args.one_out``."""
     config = CONFIGS[name]
     kind = config["kind"]
     work = Path(args.work)
-    if args.profile:
-        config = config | {"profile": str(Path(args.profile) / (slug(name) + ".txt"))}
+    if args.profile and kind == "pack":
+        config = config | {"profile": str(harness.traces("warm") / f"{slug(name)}.txt")}
     if kind == "server":
-        config = config | {"laps": args.laps, "until": args.until_time}
-    if kind == "server" and (args.profile or args.phases):
-        # The server's own prompts, in its prompt worker (benchmarks/prompt_profiler).
-        config = config | {
-            "name": slug(name),
-            "profile": args.profile and str(Path(args.profile).resolve()),
-            "phases": str(Path(args.phases or args.profile).resolve()),
-        }
+        config = config | {"rounds": args.rounds, "until": args.until_time}
     if kind == "anchor":
         records, images = run_anchor(args.model_dir)
     elif kind == "pack":
@@ -810,12 +657,14 @@ def one(name: str, args: argparse.Namespace) -> None:
     Path(args.one_out).write_text(json.dumps(result_of(name, records, images)))
 
 
-def together(names: list[str], args: argparse.Namespace) -> None:
-    """Server rows interleaved in this (fresh) process (:func:`run_together`); their results to
+def together(names: list[str], args) -> None:
+    """Server rows interleaved in this (fresh) process (:func:`run_together`); their rows to
     ``args.one_out``, by name."""
     work = Path(args.work)
     os.environ["PIXART_LOWVRAM_QUANT_CACHE"] = str(work / "quant_cache")
-    done = run_together(names, args.model_dir, args.comfyui, args.laps, work, args.cpu_check, args.until_time)
+    done = run_together(
+        names, args.model_dir, args.comfyui, args.rounds, work, args.cpu_check, args.until_time
+    )
     results = {
         name: result_of(name, records, images) | {"interleaved": names}
         for name, (records, images) in done.items()
@@ -824,8 +673,8 @@ def together(names: list[str], args: argparse.Namespace) -> None:
 
 
 def result_of(name: str, records: list[dict], images: list[torch.Tensor]) -> dict:
-    """A row's result: its arguments, its records, and whether the repeat's image (and each later lap's)
-    equals its first; ``laps``: the laps it ran."""
+    """A row: its configuration, its records, and whether the repeat's image (and each later round's)
+    equals its first; ``rounds``: the rounds it ran."""
     result = {
         # The configuration as declared (the workflow, its --set overrides, the LoRA's strength …), beside
         # its figures.
@@ -833,10 +682,10 @@ def result_of(name: str, records: list[dict], images: list[torch.Tensor]) -> dic
         "records": records,
         "repeat_identical": bool(torch.equal(images[0], images[min(REPEAT_INDEX, len(images) - 1)])),
     }
-    if len(images) > REPEAT_INDEX + 1:  # laps: each later lap's prompt against the first lap's
-        result["laps"] = 1 + (len(images) - REPEAT_INDEX - 1) // LAP
-        result["laps_identical"] = all(
-            torch.equal(image, images[1 + index % LAP])
+    if len(images) > REPEAT_INDEX + 1:  # rounds: each later round's prompt against the first round's
+        result["rounds"] = 1 + (len(images) - REPEAT_INDEX - 1) // ROUND
+        result["rounds_identical"] = all(
+            torch.equal(image, images[1 + index % ROUND])
             for index, image in enumerate(images[REPEAT_INDEX + 1 :])
         )
     return result
@@ -904,10 +753,6 @@ def summary(records: list[dict], anchor: float | None) -> dict:
     return out
 
 
-def fmt_gib(value) -> str:
-    return "–" if value is None else f"{value / GIB:.2f}"
-
-
 def seconds_and_ratio(summary: dict, key: str) -> str:
     seconds, ratio = summary.get(f"later_{key}_seconds"), summary.get(f"later_{key}_ratio")
     if seconds is None:
@@ -915,81 +760,139 @@ def seconds_and_ratio(summary: dict, key: str) -> str:
     return f"{seconds:.2f}" + ("" if ratio is None else f" ({ratio:.2f})")
 
 
-def markdown(meta: dict, results: dict) -> str:
+def ordered(rows: dict) -> list[tuple[str, dict]]:
+    """The rows in the order of :data:`CONFIGS`, any others after."""
+    known = [name for name in CONFIGS if name in rows]
+    return [(name, rows[name]) for name in known + [n for n in rows if n not in CONFIGS]]
+
+
+def markdown(result: dict) -> str:
+    """The tables of a result: every row (its run, figures, ratios to its own run's anchor), the runs'
+    anchors, the lossy rows' fidelity, each prompt's seconds, the server rows' medians and the interleaved
+    rows' comparisons."""
+    rows = dict(ordered(result["rows"]))
+    run = {name: harness.run_of(result, row) for name, row in rows.items()}
+    repeated = sorted({(run[n], r["rounds"]) for n, r in rows.items() if r.get("rounds", 1) > 1})
     lines = [
-        "# Per prompt, from the first on",
+        f"{SETTINGS['cfg']:g} cfg, batch 1, the full-size architecture with random weights (size and steps: "
+        "each run's command, 1024² and 20 steps where it names none); five prompts with their own text and "
+        "seed, then the first again"
+        + "".join(f"; run {n}'s server rows then prompts 2–5 again, {k} rounds in all" for n, k in repeated)
+        + ". Later s: the mean of the later prompts (2–5, and every further round's), the prompt's wall clock "
+        "(through a server: submit to image downloaded); × anchor: over the later seconds of the anchor of "
+        "the row's own run; stages s: the pack's three stages alone; ComfyUI executed s: ComfyUI's own time "
+        "for the prompt (its log), SaveImage's PNG included; PNG s: the anchor's image written as SaveImage "
+        "writes it (not in its seconds), and through a server SaveImage's own seconds (its start to the next "
+        "node's, from the websocket); later − PNG: a server prompt without them.",
         "",
-        f"{meta['device']}, torch {meta['torch']}, {meta['date']}; {SETTINGS['width']}×{SETTINGS['height']}, "
-        f"{SETTINGS['steps']} steps, cfg {SETTINGS['cfg']:g}, batch 1, "
-        "full-size architecture with random weights; five prompts with their own text and seed, then the "
-        "first again"
-        + (
-            f", then prompts 2–5 again, {meta['laps']} laps in all (server rows)"
-            if meta.get("laps", 1) > 1
-            else ""
-        )
-        + ". Ratios: the mean of the later prompts (2–5, and every further lap's) over the anchor's. Later s: the prompt's wall clock (through "
-        "a server: submit to image downloaded); stages s: the pack's three stages alone; ComfyUI executed s: "
-        "ComfyUI's own time for the prompt (its log), SaveImage's PNG included; PNG s: the anchor's image "
-        "written as SaveImage writes it (not in its seconds), and through a server SaveImage's own seconds "
-        "(its start to the next node's, from the websocket); later − PNG: a server prompt without them.",
-        "",
-        "| configuration | 1st prompt s | later s | × anchor | stages s (×) | ComfyUI executed s (×) | "
-        "PNG s | later − PNG s (×) | GPU peak alloc / reserved GiB (later) | host→GPU GiB per later prompt | "
-        "pool GiB | host RSS GiB | card used GiB (later, server rows) | 6th = 1st (each lap = its first) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, result in results.items():
-        if "error" in result:
-            lines.append(f"| {name} | failed: {result['error'][:120]} | | | | | | | | | | | | |")
-            continue
-        s = result["summary"]
-        ratio = "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}"
+    table = []
+    for name, row in rows.items():
+        s = row["summary"]
         png = s.get("later_png_seconds", s.get("later_save_seconds"))
-        lines.append(
-            f"| {name} | {s['first_seconds']:.2f} | {s['later_seconds']:.2f} | {ratio} | "
-            f"{seconds_and_ratio(s, 'stages')} | {seconds_and_ratio(s, 'executed')} | "
-            f"{'–' if png is None else f'{png:.3f}'} | {seconds_and_ratio(s, 'unsaved')} | "
-            f"{fmt_gib(s.get('later_max_peak_allocated'))} / {fmt_gib(s.get('later_max_peak_reserved'))} | "
-            f"{fmt_gib(s.get('later_max_copied_to_gpu'))} | {fmt_gib(s.get('later_max_pool_bytes'))} | "
-            f"{fmt_gib(s.get('later_max_rss'))} | {fmt_gib(s.get('later_max_device_used'))} | "
-            f"{'yes' if result['repeat_identical'] and result.get('laps_identical', True) else '**no**'} |"
+        same = row["repeat_identical"] and row.get("rounds_identical", True)
+        table.append(
+            [
+                name,
+                run[name],
+                f"{s['first_seconds']:.2f}",
+                f"{s['later_seconds']:.2f}",
+                "–" if s["later_ratio"] is None else f"{s['later_ratio']:.2f}",
+                seconds_and_ratio(s, "stages"),
+                seconds_and_ratio(s, "executed"),
+                "–" if png is None else f"{png:.3f}",
+                seconds_and_ratio(s, "unsaved"),
+                f"{harness.gib(s.get('later_max_peak_allocated'))} / "
+                f"{harness.gib(s.get('later_max_peak_reserved'))}",
+                harness.gib(s.get("later_max_copied_to_gpu")),
+                harness.gib(s.get("later_max_pool_bytes")),
+                harness.gib(s.get("later_max_rss")),
+                harness.gib(s.get("later_max_device_used")),
+                "yes" if same else "**no**",
+            ]
         )
-    anchor = results.get(ANCHOR, {}).get("summary", {})
-    if anchor.get("later_png_seconds") is not None:
-        both = anchor["later_seconds"] + anchor["later_png_seconds"]
-        servers = [
-            f"{name} {result['summary']['later_seconds'] / both:.2f}×"
-            for name, result in results.items()
-            if "summary" in result and result["summary"].get("later_save_seconds") is not None
-        ]
+    lines += harness.table(
+        [
+            "configuration",
+            "run",
+            "1st prompt s",
+            "later s",
+            "× anchor",
+            "stages s (×)",
+            "ComfyUI executed s (×)",
+            "PNG s",
+            "later − PNG s (×)",
+            "GPU peak alloc / reserved GiB (later)",
+            "host→GPU GiB per later prompt",
+            "pool GiB",
+            "host RSS GiB",
+            "card used GiB (later, server rows)",
+            "6th = 1st (each round = its first)",
+        ],
+        table,
+    )
+    anchors = {}
+    for name, row in rows.items():
+        anchor = row.get("anchor") or {}
+        if anchor.get("later_seconds") and run[name] not in anchors:
+            anchors[run[name]] = anchor
+    if anchors:
         lines += [
             "",
-            f"The anchor with its image written as SaveImage writes it: {both:.2f} s"
-            + (f"; the server rows over that: {', '.join(servers)}." if servers else "."),
+            "The anchor of each run: its later seconds, and with its image written as SaveImage writes it:",
+            "",
         ]
-    lossy = {name: r for name, r in results.items() if "fidelity" in r and "summary" in r}
+        for number, anchor in sorted(anchors.items()):
+            line = f"- run {number}: {anchor['later_seconds']:.2f} s"
+            png = anchor.get("png_seconds")
+            if png is not None:
+                both = anchor["later_seconds"] + png
+                servers = [
+                    f"{name} {row['summary']['later_seconds'] / both:.2f}×"
+                    for name, row in rows.items()
+                    if run[name] == number and row.get("summary", {}).get("later_save_seconds") is not None
+                ]
+                line += f"; {both:.2f} s with its PNG" + (
+                    f" (the run's server rows over that: {', '.join(servers)})" if servers else ""
+                )
+            lines.append(line)
+    lossy = {name: r for name, r in rows.items() if "fidelity" in r and "summary" in r}
     if lossy:
         lines += [
             "",
-            "Lossy rows against their reference (the same prompts and seeds), prompts 1–5: the latents' "
-            "cosine similarity and the image's PSNR (8-bit), worst and mean; later s × the reference's later s.",
+            "Lossy rows against their reference of the same run (the same prompts and seeds), prompts 1–5: the "
+            "latents' cosine similarity and the image's PSNR (8-bit), worst and mean; later s × the "
+            "reference's later s.",
             "",
-            "| configuration | reference | later s (× reference) | latent cosine min / mean | image PSNR dB min / mean |",
-            "| --- | --- | --- | --- | --- |",
         ]
-        for name, result in lossy.items():
-            reference = CONFIGS[name]["fidelity_vs"]
-            cos = result["fidelity"]["latent_cosine"][: len(PROMPTS)]
-            psnr = result["fidelity"]["image_psnr_db"][: len(PROMPTS)]
-            base = results[reference]["summary"]["later_seconds"]
-            later = result["summary"]["later_seconds"]
-            lines.append(
-                f"| {name} | {reference} | {later:.2f} ({later / base:.2f}) | {min(cos):.5f} / "
-                f"{sum(cos) / len(cos):.5f} | {min(psnr):.1f} / {sum(psnr) / len(psnr):.1f} |"
+        lossy_rows = []
+        for name, row in lossy.items():
+            cos = row["fidelity"]["latent_cosine"][: len(PROMPTS)]
+            psnr = row["fidelity"]["image_psnr_db"][: len(PROMPTS)]
+            later, base = row["summary"]["later_seconds"], row["fidelity"].get("reference_later_seconds")
+            lossy_rows.append(
+                [
+                    name,
+                    run[name],
+                    row["fidelity"]["reference"],
+                    f"{later:.2f}" + ("" if not base else f" ({later / base:.2f})"),
+                    f"{min(cos):.5f} / {sum(cos) / len(cos):.5f}",
+                    f"{min(psnr):.1f} / {sum(psnr) / len(psnr):.1f}",
+                ]
             )
-    shipped = results.get("server: pack defaults")
-    bare = results.get("server: pack defaults, no Memory Snapshot")
+        lines += harness.table(
+            [
+                "configuration",
+                "run",
+                "reference",
+                "later s (× reference)",
+                "latent cosine min / mean",
+                "image PSNR dB min / mean",
+            ],
+            lossy_rows,
+        )
+    shipped = rows.get("server: pack defaults")
+    bare = rows.get("server: pack defaults, no Memory Snapshot")
     if shipped and "records" in shipped:
         later = shipped["records"][1 : len(PROMPTS)]
         own = [r.get("node_seconds", {}).get("PixArtQ_MemorySnapshot") for r in later]
@@ -998,18 +901,18 @@ def markdown(meta: dict, results: dict) -> str:
                 f"The Memory Snapshot node as shipped (reporting only), its own time (its start to the next "
                 f"node's): {sum(own) / len(own):.3f} s a later prompt (max {max(own):.3f} s)"
             )
-            if bare and "summary" in bare:
+            if bare and "summary" in bare and bare.get("run") == shipped.get("run"):
                 difference = shipped["summary"]["later_seconds"] - bare["summary"]["later_seconds"]
                 line += (
                     f"; the rows with and without it differ by {difference:+.3f} s, prompt-to-prompt noise"
                 )
             lines += ["", line + "."]
     lines += ["", "Per prompt (seconds):", ""]
-    for name, result in results.items():
-        if "records" in result:
-            lines.append(f"- {name}: " + ", ".join(f"{r['seconds']:.2f}" for r in result["records"]))
+    for name, row in rows.items():
+        if "records" in row:
+            lines.append(f"- {name}: " + ", ".join(f"{r['seconds']:.2f}" for r in row["records"]))
     sampled = {
-        n: r["summary"] for n, r in results.items() if "later_sampling_node_seconds" in r.get("summary", {})
+        n: r["summary"] for n, r in rows.items() if "later_sampling_node_seconds" in r.get("summary", {})
     }
     if sampled:
         lines += [
@@ -1031,15 +934,18 @@ def markdown(meta: dict, results: dict) -> str:
             )
             for name, s in sampled.items()
         ]
-    together = next((r["interleaved"] for r in results.values() if "interleaved" in r), None)
-    if together and all("records" in results.get(name, {}) for name in together):
+    groups = {tuple(r["interleaved"]) for r in rows.values() if "interleaved" in r}
+    for together in sorted(groups):
+        if not all(rows.get(name, {}).get("interleaved") == list(together) for name in together):
+            continue  # some of the group measured again since, one by one
         lines += [
             "",
             f"Server rows interleaved: {len(together)} servers up at once, each prompt on each in turn (the order "
             "rotated by one each prompt), so every row met the same host periods; the card is shared, so "
             f"its used memory is not told apart per server (the rows one by one give it). Each row against "
-            f"{together[0]} (and the patched core against core's own), prompt by prompt (the same prompt's seconds over its; later prompts): the ratio of the means, "
-            "and the median and range of the per-prompt ratios:",
+            f"{together[0]} (and the patched core against core's own), prompt by prompt (the same prompt's "
+            "seconds over its; later prompts): the ratio of the means, and the median and range of the "
+            "per-prompt ratios:",
             "",
         ]
         guided = " + Batched Guidance"  # the patched core row also against core's own
@@ -1053,8 +959,8 @@ def markdown(meta: dict, results: dict) -> str:
             pairs = [
                 (r["seconds"], b["seconds"])
                 for r, b in zip(
-                    later_records(results[name]["records"]),
-                    later_records(results[other]["records"]),
+                    later_records(rows[name]["records"]),
+                    later_records(rows[other]["records"]),
                     strict=True,
                 )
             ]
@@ -1066,96 +972,185 @@ def markdown(meta: dict, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, names: list[str], results: dict, work: Path, stem: str = "warm") -> str:
-    """STEM.json and STEM.md in ``out`` from the configurations measured so far; returns the markdown."""
-    for name in names:
-        reference = CONFIGS[name].get("fidelity_vs")
-        done = "fidelity" in results.get(name, {})  # written after every row: compared once
-        if (
-            reference
-            and not done
-            and "records" in results.get(name, {})
-            and "records" in results.get(reference, {})
-        ):
-            results[name]["fidelity"] = fidelity(
-                work / f"{slug(name)}.outputs.pt", work / f"{slug(reference)}.outputs.pt"
-            )
+def finish(names: list[str], results: dict, work: Path) -> dict:
+    """This run's rows as the result keeps them: each with its summary against this run's anchor, the
+    anchor's figures, and a lossy row's fidelity against its reference."""
     anchor = results.get(ANCHOR, {}).get("records")
     anchor_later = (
         None if not anchor else sum(r["seconds"] for r in anchor[1 : len(PROMPTS)]) / (len(PROMPTS) - 1)
     )
-    for result in results.values():
-        if "records" in result:
-            result["summary"] = summary(result["records"], anchor_later)
-    meta = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "settings": SETTINGS,
-        "prompts": PROMPTS,
-        "laps": max((r.get("laps", 1) for r in results.values()), default=1),
-    }
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    text = markdown(meta, results)
-    (out / f"{stem}.md").write_text(text)
-    return text
+    anchor_png = None
+    if anchor and all(r.get("png_seconds") is not None for r in anchor[1 : len(PROMPTS)]):
+        anchor_png = sum(r["png_seconds"] for r in anchor[1 : len(PROMPTS)]) / (len(PROMPTS) - 1)
+    rows = {}
+    for name in names:
+        if "records" not in results.get(name, {}) or name == WARM_UP:
+            continue  # a row that failed keeps its last measurement
+        row = results[name]
+        reference = CONFIGS[name].get("fidelity_vs")
+        if (
+            reference
+            and "records" in row
+            and "records" in results.get(reference, {})
+            and "fidelity" not in row
+        ):
+            row["fidelity"] = fidelity(
+                work / f"{slug(name)}.outputs.pt", work / f"{slug(reference)}.outputs.pt"
+            )
+            row["fidelity"] |= {
+                "reference": reference,
+                "reference_later_seconds": summary(results[reference]["records"], None)["later_seconds"],
+            }
+        row["summary"] = summary(row["records"], anchor_later)
+        row["anchor"] = {"later_seconds": anchor_later, "png_seconds": anchor_png}
+        rows[name] = row
+    return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+class SelfCheckFailed(AssertionError):
+    """A self-check found the prompt sequence, the rounds or a comparison not as they must be."""
+
+
+class Clock:
+    """A fake ``time.time`` that the self-check moves on by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def self_check() -> list[str]:
+    """The server rows' prompt sequence, the rounds, a time limit that keeps whole rounds, each round's
+    image checked against its first, and interleaved rows compared prompt by prompt: the names of the
+    checks, each raising :class:`SelfCheckFailed` where it fails."""
+
+    def expect(condition: bool, what: str) -> None:
+        if not condition:
+            raise SelfCheckFailed(what)
+
+    def images(count: int) -> list[torch.Tensor]:
+        """Images as a deterministic server gives them: the same prompt the same image."""
+        return [torch.full((2, 2, 3), float(sequence(3).index(p))) for p in sequence(3)[:count]]
+
+    clock, real_time = Clock(), time.time
+    done = []
+    time.time = clock
+    try:
+        expect(list(rounds_by(3)) == list(enumerate(sequence(3))), "rounds_by(3) is not the sequence")
+        expect(len(sequence(3)) == 6 + 4 + 4, "three rounds are not 6 + 4 + 4 prompts")
+        done.append("without a limit every round runs")
+
+        until = clock.now + 11  # at a second a prompt: the six, one round of four (ends at 10), not the next
+        ran = []
+        for index, item in rounds_by(5, until):
+            ran.append((index, item))
+            clock.now += 1.0
+        expect(ran == list(enumerate(sequence(2))), f"a limit kept {len(ran)} prompts, not two whole rounds")
+        done.append("a limit keeps whole rounds")
+
+        ran = []
+        for index, _item in rounds_by(3, clock.now - 1):
+            ran.append(index)
+            clock.now += 1.0
+        expect(ran == list(range(6)), f"a limit already past ran {ran}, not the first round")
+        done.append("the first round runs whatever the limit")
+    finally:
+        time.time = real_time
+
+    same = result_of("server: pack defaults", [{}] * 14, images(14))
+    expect(same["repeat_identical"] and same["rounds_identical"] and same["rounds"] == 3, f"{same}")
+    cut = result_of("server: pack defaults", [{}] * 10, images(10))
+    expect(cut["rounds"] == 2 and cut["rounds_identical"], f"{cut}")
+    changed = images(14)
+    changed[12] = changed[12] + 1  # prompt 4 of the third round differs from its first
+    expect(
+        not result_of("server: pack defaults", [{}] * 14, changed)["rounds_identical"],
+        "a changed image in the third round went unseen",
     )
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"))
-    parser.add_argument("--out", type=Path, default=Path("warm"))
-    parser.add_argument("--only", action="append", default=[], help="a configuration's name (repeatable)")
-    parser.add_argument("--profile", default=None, help="a folder: torch profiler tables of prompt 3")
-    parser.add_argument(
-        "--phases", default=None, help="a folder: each server prompt's nodes, loads and forwards timed"
+    single = result_of(WARM_UP, [{}], images(1))
+    expect(single["repeat_identical"] and "rounds" not in single, f"{single}")
+    done.append("each round is checked against its first")
+
+    names = [
+        "server: pack defaults",
+        "server: ComfyUI core fp16 + Batched Guidance",
+        "server: ComfyUI core fp16",
+    ]
+    seconds = {names[0]: 1.0, names[1]: 1.5, names[2]: 2.0}
+    rows = {}
+    for name in names:
+        records = [{"seconds": seconds[name] * (3 if i == 0 else 1)} for i in range(10)]
+        rows[name] = result_of(name, records, images(10)) | {"interleaved": names, "run": 0}
+        rows[name]["summary"] = summary(records, None)
+    text = markdown({"rows": rows, "runs": [{"stamp": {}, "arguments": {}}]})
+    for line in (
+        "Server rows interleaved: 3 servers up at once",
+        f"- {names[1]} against {names[0]}: 1.500× (median 1.500×, 1.50–1.50×)",
+        f"- {names[2]} against {names[0]}: 2.000×",
+        f"- {names[1]} against {names[2]}: 0.750×",
+        "run 1's server rows then prompts 2–5 again, 2 rounds in all",
+    ):
+        expect(line in text, f"the table lacks {line!r}")
+    done.append("interleaved rows are compared prompt by prompt")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "warm", comfyui=True, size=harness.SIZE, steps=harness.STEPS, only=True)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch profiler tables of prompt 3 of each one-process row, in benchmarks/traces/warm/",
     )
-    parser.add_argument(
+    p.add_argument(
         "--cpu-check",
         action="store_true",
         help="the server rows (--only) on a CPU server, 272², 2 steps: that they run, not their numbers",
     )
-    parser.add_argument(
-        "--laps",
+    p.add_argument(
+        "--rounds",
         type=int,
         default=1,
         help="server rows: after the six prompts, prompts 2-5 again this many times less one; later = all "
         "of them but the first and the repeat",
     )
-    parser.add_argument(
+    p.add_argument(
         "--interleave",
         action="store_true",
         help="server rows: all their servers up at once, each prompt on each in turn (the same host periods "
         "for every row); the card's used memory is then not told apart per server",
     )
-    parser.add_argument(
+    p.add_argument(
         "--until",
         type=float,
         default=None,
-        help="seconds: server rows run a further lap only where, at their pace, it ends within this many "
-        "seconds of this command's start (a run under a time limit keeps whole laps)",
+        help="seconds: server rows run a further round only where, at their pace, it ends within this many "
+        "seconds of this command's start (a run under a time limit keeps whole rounds)",
     )
-    parser.add_argument("--stem", default="warm", help="the results' file name: STEM.json and STEM.md")
-    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--together", action="append", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--until-time", type=float, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p.add_argument("--self-check", action="store_true", help="check the rounds and comparisons, and stop")
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--one-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--together", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--until-time", type=float, default=None, help=argparse.SUPPRESS)
+    args = harness.parse(p, argv, title=TITLE, render=markdown)
+    if args.self_check:
+        for name in self_check():
+            print(f"ok: {name}")
+        return 0
+    if args.model_dir is None:
+        p.error("give --model-dir")
     if args.until is not None and args.until_time is None:
         args.until_time = time.time() + args.until
     args.model_dir = args.model_dir.resolve()
     if args.cpu_check:
-        SETTINGS.update(CPU_CHECK)
+        args.size, args.steps = CPU_CHECK["size"], CPU_CHECK["steps"]
         names = [args.one] if args.one else args.together or args.only
         if not names or any(CONFIGS[name]["kind"] != "server" for name in names):
-            parser.error("--cpu-check takes server rows only, named with --only")
-    if args.interleave and (args.profile or args.phases):
-        parser.error("--interleave times prompts side by side; --profile and --phases take rows one by one")
+            p.error("--cpu-check takes server rows only, named with --only")
+    SETTINGS.update(width=args.size, height=args.size, steps=args.steps)
     if args.one:
         one(args.one, args)
         return 0
@@ -1167,9 +1162,10 @@ def main() -> int:
     ]
     if ANCHOR not in names and not args.cpu_check:
         names.insert(0, ANCHOR)
-    args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="warm-"))
     results: dict = {}
+    result = None
+    run = harness.run(p, args, args.comfyui)
     # The pre-quantized cache is filled first, so every pack row's first prompt reads it warm.
     if any(CONFIGS[name]["kind"] in ("pack", "server") for name in names) and not args.cpu_check:
         names = [WARM_UP, *names]
@@ -1184,18 +1180,14 @@ def main() -> int:
         one_out = work / "one.json"
         command = [sys.executable, __file__, "--model-dir", str(args.model_dir), "--work", str(work)]
         command += ["--one", job[0]] if job is not servers else [a for n in job for a in ("--together", n)]
-        command += ["--one-out", str(one_out)]
+        command += ["--one-out", str(one_out), "--size", str(args.size), "--steps", str(args.steps)]
+        command += ["--rounds", str(args.rounds)]
         if args.profile:
-            Path(args.profile).mkdir(parents=True, exist_ok=True)
-            command += ["--profile", str(Path(args.profile).resolve())]
-        if args.phases:
-            Path(args.phases).mkdir(parents=True, exist_ok=True)
-            command += ["--phases", str(Path(args.phases).resolve())]
+            command += ["--profile"]
         if args.comfyui:
             command += ["--comfyui", str(args.comfyui)]
         if args.cpu_check:
             command += ["--cpu-check"]
-        command += ["--laps", str(args.laps)]
         if args.until_time is not None:
             command += ["--until-time", repr(args.until_time)]
         started = time.perf_counter()
@@ -1203,9 +1195,8 @@ def main() -> int:
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0 or not one_out.is_file():
             lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()
-            for n in job:
-                results[n] = {"error": lines[-1] if lines else f"exit {proc.returncode}"}
-            print(f"{name}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
+            print(f"{name}: FAILED ({lines[-1] if lines else f'exit {proc.returncode}'})", file=sys.stderr)
+            print(proc.stderr[-3000:], file=sys.stderr)
             continue
         if job is servers:
             results |= json.loads(one_out.read_text())
@@ -1214,8 +1205,12 @@ def main() -> int:
         one_out.unlink()
         print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         # after each: a run cut short keeps what it measured
-        write_results(args.out, names, results, work, args.stem)
-    print(write_results(args.out, names, results, work, args.stem))
+        rows = finish(names, results, work)
+        result = harness.write(args, {"rows": rows}, run=run, title=TITLE, render=markdown, merge="rows")
+    if result is None:
+        print("warm: no row was measured", file=sys.stderr)
+        return 1
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
 

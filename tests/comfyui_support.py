@@ -44,7 +44,7 @@ MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 MODEL = "tiny-pixart"
 SDXL_VAE_FILE = "sdxl_vae.safetensors"  # in models/vae when running_server is given sdxl_vae_file
-PACK_LINK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (benchmarks/comfy_server.py)
+PACK_LINK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (comfy_server.py)
 # ComfyUI-Distributed, the engine tests/test_comfyui_distributed.py scales out on: an unmodified snapshot
 # beside the repository, as the ComfyUI checkouts are (.ci/comfyui), and its folder name in custom_nodes/.
 DISTRIBUTED = REPO.parent / "shared" / "engines" / "ComfyUI-Distributed"
@@ -248,10 +248,10 @@ def running_server(
     this repository — not when ``pack`` is False — and to each other node pack of ``custom_nodes``, NAME:
     folder, used in place: comfy_server.link_custom_node; models/diffusers/ holds a copy of the tiny model
     — tests change it —, models/vae/ holds ``sdxl_vae_file`` as ``SDXL_VAE_FILE`` when one is given),
-    started and stopped by benchmarks/comfy_server.py (with --cpu unless ``cpu`` is False: then on the
+    started and stopped by comfy_server.py (with --cpu unless ``cpu`` is False: then on the
     GPU, with the version's defaults such as Dynamic VRAM); its log is printed when a test of the module
     failed meanwhile."""
-    import comfy_server  # benchmarks/, on pytest's pythonpath
+    import comfy_server
 
     for folder in ("models/diffusers", "models/vae", "models/vae_approx"):
         (base / folder).mkdir(parents=True)

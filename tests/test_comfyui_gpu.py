@@ -1,6 +1,6 @@
 """The ComfyUI sequence on the GPU (``comfyui`` and ``gpu`` tiers: ``pytest -m "comfyui and gpu"`` on the GPU
 machine, with COMFYUI_PATH): a real ComfyUI server started without --cpu, so with the version's defaults
-(Dynamic VRAM on where it has it, e.g. v0.33.0), runs benchmarks/comfyui_sequence.py's steps on the tiny
+(Dynamic VRAM on where it has it, e.g. v0.33.0), runs the ComfyUI sequence's steps (server_sequence.py) on the tiny
 model — the pack loads, every bundled API workflow, keep_loaded prompts, POST /free, a third prompt, Cancel
 during sampling and a prompt after it, a core VAE after kept pack models, /free again — and the allocated
 memory after each /free is back to the level before the first prompt.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comfyui_sequence import Settings, run_sequence  # benchmarks/, on pytest's pythonpath
 from comfyui_support import MODEL, SIZE, STEPS, running_server
+from server_sequence import Settings, run_sequence
 
 pytestmark = [
     pytest.mark.comfyui,

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import requests
 import torch
-from comfyui_sequence import with_core_decode  # benchmarks/, on pytest's pythonpath
 from comfyui_support import (
     HTTP_TIMEOUT,
     SDXL_VAE_FILE,
@@ -33,6 +32,7 @@ from comfyui_support import (
     wait_for_log,
 )
 from PIL import Image
+from server_sequence import with_core_decode
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 

@@ -2,14 +2,14 @@
 ``comfyui`` tier): every prompt succeeds with its image, the server's host memory does not grow from prompt 4
 to the last by more than 5 %, and no kept model is left with keep_loaded off. (The GPU criterion, allocated
 memory back within 64 MiB after each prompt, needs CUDA: the script marks it n/a here.) Also the script's
-refusal of a non-loopback server and its verdicts on figures that break a criterion, without a server.
+refusal of a non-loopback server and its verdicts on figures that break a criterion (``--judge``), without a
+server.
 
 Needs COMFYUI_PATH for the server tests; COMFYUI_PYTHON names the server's interpreter.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -54,6 +54,8 @@ def test_soak_on_the_cpu_started_server(tmp_path, tiny_folder):
         str(HOST_FROM),
         "--out",
         str(out),
+        "--work",
+        str(out),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((out / "soak.json").read_text())
@@ -96,6 +98,8 @@ def test_soak_attached_with_keep_loaded(server, tmp_path):
         "--keep-loaded",
         "--out",
         str(out),
+        "--work",
+        str(out),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((out / "soak.json").read_text())
@@ -108,15 +112,11 @@ def test_soak_attached_with_keep_loaded(server, tmp_path):
     "url", ["http://192.168.1.5:8188", "http://example.com:8188", "https://127.0.0.1:8188"]
 )
 def test_soak_refuses_a_server_off_loopback(url, tmp_path):
-    done = run_soak("--server", url, "--model", MODEL, "--out", str(tmp_path), timeout=120)
+    done = run_soak(
+        "--server", url, "--model", MODEL, "--out", str(tmp_path), "--work", str(tmp_path), timeout=120
+    )
     assert done.returncode == 2
     assert "this machine only" in done.stderr and "127.0.0.1" in done.stderr
-
-
-@pytest.fixture
-def soak(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    return importlib.import_module("soak")
 
 
 def figures(rss: list[int], allocated: list[int | None], before: int | None = 0, kept: int = 0) -> dict:
@@ -132,14 +132,23 @@ def figures(rss: list[int], allocated: list[int | None], before: int | None = 0,
     }
 
 
-def test_soak_verdicts(soak):
-    args = soak.build_parser().parse_args(["--count", "4", "--host-from", "2"])
-    ok = soak.judge(figures([100, 100, 100, 104], [0, MIB, 0, 64 * MIB]), args)
+def judge(figures: dict, tmp_path: Path) -> list[dict]:
+    """The soak's verdicts on recorded ``figures``, as ``soak.py --judge`` gives them (4 prompts, host
+    growth from prompt 2)."""
+    recorded = tmp_path / "figures.json"
+    recorded.write_text(json.dumps(figures))
+    done = run_soak("--judge", str(recorded), "--count", "4", "--host-from", "2", timeout=120)
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_soak_verdicts(tmp_path):
+    ok = judge(figures([100, 100, 100, 104], [0, MIB, 0, 64 * MIB]), tmp_path)
     assert [c["passed"] for c in ok] == [True, True, True, True]
-    grown = soak.judge(figures([100, 100, 100, 106], [0, 0, 0, 65 * MIB], kept=1), args)
+    grown = judge(figures([100, 100, 100, 106], [0, 0, 0, 65 * MIB], kept=1), tmp_path)
     assert [c["passed"] for c in grown] == [True, False, False, False]
     assert grown[2]["growth_percent"] == pytest.approx(6.0)
-    cpu = soak.judge(figures([100] * 4, [None] * 4, before=None), args)
+    cpu = judge(figures([100] * 4, [None] * 4, before=None), tmp_path)
     assert cpu[1]["passed"] is None
-    short = soak.judge(figures([100, 100], [0, 0]), args)
+    short = judge(figures([100, 100], [0, 0]), tmp_path)
     assert short[0]["passed"] is False  # two of four prompts
