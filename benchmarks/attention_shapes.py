@@ -19,7 +19,6 @@ Writes attention_shapes.json to --out. GPU only.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -128,7 +127,7 @@ def main() -> None:
         device=device,
         quant_cache=args.out / "work" / "quantized",
     )
-    model = int8_model.load(dataclasses.replace(settings, keep_loaded=True))
+    model = int8_model.load(settings.transformer, keep_loaded=True)
     latent = torch.zeros(1, 4, 128, 128)
     prompts = {}
     short_keys = devices.SHORT_KEYS_FIRST

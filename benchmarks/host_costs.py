@@ -53,7 +53,7 @@ def main() -> None:
 
     device, lora_path, settings = ksampler_settings(args, keep_loaded=args.keep_loaded)
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-    model = int8_model.load(settings)
+    model = int8_model.load(settings.transformer, settings.keep_loaded)
     model, _ = comfy.sd.load_lora_for_models(model, None, lora_state, 1.0, 0)
     latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
     embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts + 3)]

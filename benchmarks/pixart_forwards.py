@@ -113,7 +113,7 @@ def main() -> None:
     context = (torch.randn(2, TOKENS, settings.caption_channels, generator=g) * 0.2).to(device, torch.float16)
     rows = []
 
-    transformer = quantized_transformer(settings).to(device)
+    transformer = quantized_transformer(settings.transformer).to(device)
     quanto.hold_dense(transformer, device)
     padded = torch.zeros(2, 300, settings.caption_channels, device=device, dtype=torch.float16)
     padded[:, :TOKENS] = context
@@ -136,7 +136,7 @@ def main() -> None:
     rows.append(timed("diffusers' PixArt (pack sampler)", diffusers_forward, args.out))
     quanto.drop_dense(transformer)
     transformer.cpu()
-    patcher = int8_model.load(settings)
+    patcher = int8_model.load(settings.transformer, settings.keep_loaded)
     comfy.model_management.load_models_gpu([patcher])
     model = patcher.model
     quanto.hold_dense(model.diffusion_model, device)

@@ -231,7 +231,7 @@ def main() -> None:
         return plain
 
     if any(name.startswith("pack") for name in wanted):
-        pack = int8_model.load(settings)
+        pack = int8_model.load(settings.transformer, settings.keep_loaded)
         lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
         models = {
             "pack MODEL": lambda: pack,

@@ -286,7 +286,7 @@ def main() -> None:
     wanted = args.only or list(CONFIGS)
     rows = []
     if any(name.startswith("pack") for name in wanted):
-        pack = int8_model.load(settings)
+        pack = int8_model.load(settings.transformer, settings.keep_loaded)
         plain = pack.clone()
         plain.model_options.pop(batched_guidance.KEY, None)
         models = {"pack MODEL": pack, "pack MODEL, two passes": plain}

@@ -15,7 +15,6 @@ run_costs_load_profile.txt (one unload and load under torch's profiler and cProf
 from __future__ import annotations
 
 import cProfile
-import dataclasses
 import io
 import json
 import platform
@@ -81,9 +80,9 @@ def main() -> None:
     mm.load_models_gpu = phases.timed("load_models_gpu", mm.load_models_gpu)
 
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-    model = int8_model.load(dataclasses.replace(settings, keep_loaded=True))
+    model = int8_model.load(settings.transformer, keep_loaded=True)
     with_lora, _ = comfy.sd.load_lora_for_models(model, None, lora_state, 1.0, 0)
-    released = int8_model.load(settings)
+    released = int8_model.load(settings.transformer, settings.keep_loaded)
     released_lora, _ = comfy.sd.load_lora_for_models(released, None, lora_state, 1.0, 0)
     embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts)]
     latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
@@ -110,7 +109,7 @@ def main() -> None:
 
     # One run start with the LoRA under cProfile (the weights held expanded and patched), then its end.
     profile = cProfile.Profile()
-    run = int8_model._Run(settings)
+    run = int8_model._Run(settings.transformer)
     mm.load_models_gpu([with_lora])
     profile.enable()
     run.start(with_lora)

@@ -42,9 +42,8 @@ from ..core import estimates, measure
 from ..core import sampler as sampler_stage
 from ..core.quant import compute as compute_paths
 from ..core.quant import quanto
-from ..core.sampler import SamplerSettings
 from ..core.single_files import CAPTION_TOKENS
-from ..core.transformer import quantized_transformer
+from ..core.transformer import TransformerSettings, quantized_transformer
 from . import batched_guidance, comfy_models, pack_forward
 
 logger = logging.getLogger(__name__)
@@ -297,10 +296,13 @@ def comfy_state(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch
     }
 
 
-def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model_patcher.ModelPatcher:
-    """The transformer of ``settings`` (its model folder or file, scheme and quantized cache) as a ComfyUI
+def load(
+    transformer: TransformerSettings, keep_loaded: bool, disable_dynamic: bool = True
+) -> comfy.model_patcher.ModelPatcher:
+    """The transformer of ``transformer`` (its model folder or file, scheme and quantized cache) as a ComfyUI
     MODEL holding its quantized weights, batching its guidance (:mod:`.batched_guidance`) and refusing images
-    too small for ComfyUI's PixArt before sampling (:func:`refuse_small`).
+    too small for ComfyUI's PixArt before sampling (:func:`refuse_small`). Without ``keep_loaded`` ComfyUI
+    unloads it after each run (:func:`release_after`).
 
     A plain ``ModelPatcher``, also where Dynamic VRAM makes ``CoreModelPatcher`` its own (v0.33): Dynamic
     VRAM streams ComfyUI's cast operations only, and loads every other layer whole from the backups it keeps
@@ -309,19 +311,19 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
     a loaded MODEL loaded. (``disable_dynamic``, which ComfyUI's ``clone`` passes to a loader's factory,
     changes nothing here for that reason.)
 
-    The patcher's ``cached_patcher_init`` is this function with ``settings``, as ComfyUI's own loaders set
+    The patcher's ``cached_patcher_init`` is this function with its arguments, as ComfyUI's own loaders set
     theirs: ComfyUI's ``deepclone_multigpu`` (MultiGPU CFG Split) builds a fresh MODEL for another device
     from it."""
-    transformer = quantized_transformer(settings)
-    state = {key: tensor.detach() for key, tensor in transformer.state_dict().items()}
-    config = unet_config(settings.config, state)
-    del transformer
+    quantized = quantized_transformer(transformer)
+    state = {key: tensor.detach() for key, tensor in quantized.state_dict().items()}
+    config = unet_config(transformer.config, state)
+    del quantized
     state = comfy_state(state, config)
     # The blocks' 8-bit weights in the form their compute takes, before ComfyUI builds the model and records
     # its tensors' dtypes (Dynamic VRAM loads each tensor as what it recorded).
     for key, tensor in state.items():
         if key.startswith(BLOCKS) and key.endswith(".weight") and key + "_scale" in state:
-            state[key] = compute_paths.weight_for(settings.compute, tensor)
+            state[key] = compute_paths.weight_for(transformer.compute, tensor)
     model_config = comfy.model_detection.model_config_from_unet_config(config, state)
     if model_config is None:
         raise ValueError(f"ComfyUI has no model for the config {config}; it is not a PixArt model")
@@ -329,7 +331,7 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
     offload_device = comfy.model_management.unet_offload_device()
     supported = model_config.supported_inference_dtypes
     dtype = comfy.model_management.unet_dtype(
-        load_device, sum(t.numel() for t in state.values()), supported, weight_dtype=settings.dtype
+        load_device, sum(t.numel() for t in state.values()), supported, weight_dtype=transformer.dtype
     )
     model_config.set_inference_dtype(
         dtype, comfy.model_management.unet_manual_cast(dtype, load_device, supported)
@@ -338,12 +340,12 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
     model = model_config.get_model(state, "")
     model.load_model_weights(state, "")
     blocks = model.diffusion_model.blocks
-    quanto.set_compute(blocks, settings.compute)
+    quanto.set_compute(blocks, transformer.compute)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
-    patcher.cached_patcher_init = (load, (settings,))
+    patcher.cached_patcher_init = (load, (transformer, keep_loaded))
     batched_guidance.apply(patcher)
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
-    if settings.compiled and load_device.type == "cuda":
+    if transformer.compiled and load_device.type == "cuda":
         # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
         # sampler compiles them: compiled at the first step, on whichever device the blocks then are. Shapes
         # are left to dynamo's automatic dynamic ones: ComfyUI's conditioning is as long as its prompt, and
@@ -359,17 +361,17 @@ def load(settings: SamplerSettings, disable_dynamic: bool = True) -> comfy.model
         )
     else:
         # diffusers' blocks over the MODEL's own layers, ComfyUI's forward where they would differ.
-        forward = pack_forward.PackForward(model.diffusion_model, settings.config, config)
+        forward = pack_forward.PackForward(model.diffusion_model, transformer.config, config)
         patcher.add_object_patch(pack_forward.OBJECT, forward)
         patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, forward.follow)
-    run = _Run(settings)
+    run = _Run(transformer)
     patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)
-    if not settings.keep_loaded:
+    if not keep_loaded:
         patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, release_after)
     logger.info(
         "PixArt-Σ %s MODEL: %s of weights, %d layers quantized",
-        settings.scheme.describe(),
+        transformer.scheme.describe(),
         measure.format_bytes(patcher.model_size()),
         sum(isinstance(m, quanto.ScaledWeightLinear) for m in model.modules()),
     )
@@ -420,8 +422,8 @@ class _Run:
     and folds the factors into the expanded weights (:class:`_Fold`), or adds them beside an 8-bit product.
     Any other patch goes through ComfyUI's own ``calculate_weight``."""
 
-    def __init__(self, settings: SamplerSettings):
-        self.scheme, self.dtype, self.native = settings.scheme, settings.dtype, settings.native_size
+    def __init__(self, transformer: TransformerSettings):
+        self.scheme, self.dtype, self.native = transformer.scheme, transformer.dtype, transformer.native_size
         self.read: tuple[object, _Factors] | None = None
 
     def layers(self, patcher):

@@ -5,7 +5,7 @@ from pathlib import Path
 import folder_paths
 from comfy_api.latest import io
 
-from ..core import lora, sampler
+from ..core import lora, transformer
 from . import common, int8_model
 from .sampler import transformer_file_input, transformer_path
 
@@ -23,7 +23,7 @@ class PixArtInt8ModelLoader(io.ComfyNode):
             "it, and ComfyUI's model management loads, offloads and frees it. LoRAs apply at run time over the "
             "int8 weights. Condition it with Quantized T5 Encode's CONDITIONING outputs.",
             inputs=common.node_inputs(
-                sampler.LOADER_INPUTS,
+                transformer.LOADER_INPUTS,
                 model=common.model_input(),
                 transformer_file=transformer_file_input(),
                 keep_loaded=io.Boolean.Input(
@@ -47,16 +47,15 @@ class PixArtInt8ModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, transformer_file=common.FROM_MODEL, keep_loaded=False, **given) -> io.NodeOutput:
-        settings = sampler.SamplerSettings(
+        settings = transformer.TransformerSettings(
             common.resolve(model),
             device=common.device(),
             transformer_file=transformer_path(transformer_file),
-            keep_loaded=keep_loaded,
             quant_cache=common.quant_cache_dir(),
-            **sampler.LOADER_INPUTS.settings_values(given),
+            **transformer.LOADER_INPUTS.settings_values(given),
         )
         with common.comfy_advice():
-            return io.NodeOutput(int8_model.load(settings))
+            return io.NodeOutput(int8_model.load(settings, keep_loaded))
 
 
 class PixArtLoRA(io.ComfyNode):

@@ -50,17 +50,18 @@ def comfy():
 
 def int8_model_of(tiny_folder, tmp_path_factory, **choices):
     """The int8 Model Loader's MODEL of the tiny model on the CPU, in float32."""
-    from pixart_lowvram.core.sampler import SamplerSettings
+    from pixart_lowvram.core.transformer import TransformerSettings
     from pixart_lowvram.nodes import int8_model
 
-    settings = SamplerSettings(
+    keep_loaded = choices.pop("keep_loaded", False)
+    settings = TransformerSettings(
         resolve_model(str(tiny_folder)),
         device="cpu",
         precision=torch.float32,
         quant_cache=tmp_path_factory.mktemp("quantized"),
         **choices,
     )
-    return int8_model.load(settings)
+    return int8_model.load(settings, keep_loaded)
 
 
 @pytest.fixture(scope="module")
