@@ -253,6 +253,7 @@ def main() -> None:
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
+    guidance = importlib.import_module("pixart_lowvram.nodes.int8_model.guidance")
     from pixart_lowvram.core import lora, sampler
     from pixart_lowvram.core.transformer import quantized_transformer
 
@@ -300,7 +301,7 @@ def main() -> None:
         """The MODEL without the pack's batched guidance: ComfyUI runs a prompt and a negative of different
         token counts as two batch-1 forwards a step."""
         plain = model.clone()
-        plain.model_options.pop(batched_guidance.KEY, None)
+        plain.model_options.pop(guidance.KEY, None)
         return plain
 
     pack_model = int8_model.load(settings.transformer, settings.keep_loaded)

@@ -218,6 +218,7 @@ def main() -> None:
     import importlib
 
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
+    guidance = importlib.import_module("pixart_lowvram.nodes.int8_model.guidance")
 
     args.out.mkdir(parents=True, exist_ok=True)
     device, lora_path, settings = ksampler_settings(args, cfg=args.cfg)
@@ -227,7 +228,7 @@ def main() -> None:
 
     def two_passes(model):
         plain = model.clone()
-        plain.model_options.pop(batched_guidance.KEY, None)
+        plain.model_options.pop(guidance.KEY, None)
         return plain
 
     if any(name.startswith("pack") for name in wanted):

@@ -267,6 +267,7 @@ def main() -> None:
     import importlib
 
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
+    guidance = importlib.import_module("pixart_lowvram.nodes.int8_model.guidance")
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.models import resolve_model
 
@@ -288,7 +289,7 @@ def main() -> None:
     if any(name.startswith("pack") for name in wanted):
         pack = int8_model.load(settings.transformer, settings.keep_loaded)
         plain = pack.clone()
-        plain.model_options.pop(batched_guidance.KEY, None)
+        plain.model_options.pop(guidance.KEY, None)
         models = {"pack MODEL": pack, "pack MODEL, two passes": plain}
         rows += [run_config(n, models[n], comfy, args, embeds) for n in wanted if n in models]
         del pack, plain, models

@@ -73,7 +73,7 @@ def main() -> None:
 
     device, lora_path, settings = ksampler_settings(args)
     phases = Phases()
-    run_class = int8_model._Run
+    run_class = int8_model.lora.RunPatches
     run_class.start = phases.timed("run start (ON_PRE_RUN)", run_class.start)
     run_class.end = phases.timed("run end (ON_CLEANUP)", run_class.end)
     # comfy.sampler_helpers.prepare_sampling looks it up on the module at each call.
@@ -109,7 +109,7 @@ def main() -> None:
 
     # One run start with the LoRA under cProfile (the weights held expanded and patched), then its end.
     profile = cProfile.Profile()
-    run = int8_model._Run(settings.transformer)
+    run = int8_model.lora.RunPatches(settings.transformer)
     mm.load_models_gpu([with_lora])
     profile.enable()
     run.start(with_lora)
@@ -135,11 +135,11 @@ def main() -> None:
             mm.load_models_gpu([with_lora])
             moves.append({**tags, "unload": unloaded, "load": phases.take().get("load_models_gpu", 0.0)})
 
-    homed = int8_model._HomeCopies.HOMED
+    homed = int8_model.residence.HostCopies.COPIED
     for homes in (True, False, True):
-        int8_model._HomeCopies.HOMED = homed if homes else ()
+        int8_model.residence.HostCopies.COPIED = homed if homes else ()
         moved(homes=homes)
-    int8_model._HomeCopies.HOMED = homed
+    int8_model.residence.HostCopies.COPIED = homed
     # The same with the allocator's cache kept (ComfyUI's empty_cache after an unload skipped): what the
     # device allocations cost of the load.
     empty_cache = torch.cuda.empty_cache

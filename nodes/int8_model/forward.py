@@ -33,8 +33,8 @@ import weakref
 import comfy.utils
 import torch
 
-from ..core.devices import attention_order, cross_attention_order
-from ..core.transformer import empty
+from ...core.devices import attention_order, cross_attention_order
+from ...core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
 # diffusers' fused attention.
