@@ -208,7 +208,7 @@ def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:
 
 class _Fold:
     """A layer's plain LoRAs as its ``weight_patch``: each added in place to the expanded weight's rows
-    (:meth:`~..core.quant.compute.LowRank.fold_into`: one multiply-add a LoRA, no full-size temporaries),
+    (:meth:`~...core.quant.compute.LowRank.fold_into`: one multiply-add a LoRA, no full-size temporaries),
     the sum ComfyUI's ``calculate_weight`` makes of them, rounded once instead of twice."""
 
     def __init__(self, branches: tuple[compute_paths.LowRank, ...]):
