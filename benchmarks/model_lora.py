@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
 
     comfy, int8_model = comfy_modules(args.comfyui, args.dynamic_vram)
     batched_guidance = importlib.import_module("pixart_lowvram.nodes.batched_guidance")
+    guidance = importlib.import_module("pixart_lowvram.nodes.int8_model.guidance")
     from pixart_lowvram.core import lora, sampler
     from pixart_lowvram.core.transformer import quantized_transformer
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
 
     with_lora = dataclasses.replace(settings, loras=(lora.LoraSpec(lora_path, 1.0),))
-    quantized_transformer(settings)  # the pre-quantized cache, written once: not timed
+    quantized_transformer(settings.transformer)  # the pre-quantized cache, written once: not timed
     rows.append(
         measure(
             "pack sampler",
@@ -330,10 +331,10 @@ def main(argv: list[str] | None = None) -> None:
         """The MODEL without the pack's batched guidance: ComfyUI runs a prompt and a negative of different
         token counts as two batch-1 forwards a step."""
         plain = model.clone()
-        plain.model_options.pop(batched_guidance.KEY, None)
+        plain.model_options.pop(guidance.KEY, None)
         return plain
 
-    pack_model = int8_model.load(settings)
+    pack_model = int8_model.load(settings.transformer, settings.keep_loaded)
     kind = type(pack_model).__name__
     rows.append(measure("KSampler, pack MODEL", ksampler(pack_model), args.prompts))
     rows.append(measure("KSampler, pack MODEL, two passes", ksampler(two_passes(pack_model)), args.prompts))

@@ -16,7 +16,6 @@ torch's profiler and cProfile).
 from __future__ import annotations
 
 import cProfile
-import dataclasses
 import io
 import json
 import pstats
@@ -98,16 +97,16 @@ def main(argv: list[str] | None = None) -> None:
 
     device, lora_path, settings = ksampler_settings(args)
     phases = Phases()
-    run_class = int8_model._Run
+    run_class = int8_model.lora.RunPatches
     run_class.start = phases.timed("run start (ON_PRE_RUN)", run_class.start)
     run_class.end = phases.timed("run end (ON_CLEANUP)", run_class.end)
     # comfy.sampler_helpers.prepare_sampling looks it up on the module at each call.
     mm.load_models_gpu = phases.timed("load_models_gpu", mm.load_models_gpu)
 
     lora_state = comfy.utils.load_torch_file(str(lora_path), safe_load=True)
-    model = int8_model.load(dataclasses.replace(settings, keep_loaded=True))
+    model = int8_model.load(settings.transformer, keep_loaded=True)
     with_lora, _ = comfy.sd.load_lora_for_models(model, None, lora_state, 1.0, 0)
-    released = int8_model.load(settings)
+    released = int8_model.load(settings.transformer, settings.keep_loaded)
     released_lora, _ = comfy.sd.load_lora_for_models(released, None, lora_state, 1.0, 0)
     embeds = [random_embeds(i, settings.caption_channels) for i in range(args.prompts)]
     latent = torch.zeros(1, 4, args.size // 8, args.size // 8)
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # One run start with the LoRA under cProfile (the weights held expanded and patched), then its end.
     profile = cProfile.Profile()
-    run = int8_model._Run(settings)
+    run = int8_model.lora.RunPatches(settings.transformer)
     mm.load_models_gpu([with_lora])
     profile.enable()
     run.start(with_lora)
@@ -160,11 +159,11 @@ def main(argv: list[str] | None = None) -> None:
             mm.load_models_gpu([with_lora])
             moves.append({**tags, "unload": unloaded, "load": phases.take().get("load_models_gpu", 0.0)})
 
-    homed = int8_model._HomeCopies.HOMED
+    homed = int8_model.residence.HostCopies.COPIED
     for homes in (True, False, True):
-        int8_model._HomeCopies.HOMED = homed if homes else ()
+        int8_model.residence.HostCopies.COPIED = homed if homes else ()
         moved(homes=homes)
-    int8_model._HomeCopies.HOMED = homed
+    int8_model.residence.HostCopies.COPIED = homed
     # The same with the allocator's cache kept (ComfyUI's empty_cache after an unload skipped): what the
     # device allocations cost of the load.
     empty_cache = torch.cuda.empty_cache

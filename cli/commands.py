@@ -233,13 +233,13 @@ def stage_settings(args: argparse.Namespace, source: ModelSource):
 
 
 def weights_of(weights, component: str) -> str:
-    """Where a stage's weights are read from: a single file, a model's component folder (its lender's for
-    a borrowed one), or a hub id's."""
+    """Where a stage's weights are read from: a single file, a model's component folder (its base folder's
+    for a shared part), or a hub id's."""
     if not isinstance(weights, ModelSource):
         return str(weights.path)  # a single file
     if weights.path is None:
         return f"{component}/ of the hub model {weights.hub_id}"
-    return str(weights.borrowed().get(component, weights.path) / component)
+    return str(weights.shared_parts().get(component, weights.path) / component)
 
 
 def say_what_loads(encoding, sampling, decoding) -> None:

@@ -1,5 +1,5 @@
-"""Find PixArt-Σ weights: diffusers folders (searched, borrowed from), a hub id, their weights checked before
-anything loads. Single files' headers are read in single_files.py."""
+"""Find PixArt-Σ weights: diffusers folders (searched; a transformer-only folder with its base folder), a hub
+id, their weights checked before anything loads. Single files' headers are read in single_files.py."""
 
 from __future__ import annotations
 
@@ -18,16 +18,17 @@ HUB_1024 = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
 # VAE from the 1024 model.
 HUB_IDS = (HUB_1024, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS", "PixArt-alpha/PixArt-Sigma-XL-2-2K-MS")
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
-# What a transformer-only folder (the 2K model, often the 512 one) borrows from a 1024 folder. A folder
-# borrows only in that shape, with none of them: one that has some and lacks another is damaged.
-BORROWED = ("tokenizer", "text_encoder", "vae")
+# The shared parts: what a transformer-only folder (the 2K model, often the 512 one) takes from its base
+# folder, a complete 1024 one. A folder takes them only in that shape, with none of them: one that has some
+# and lacks another is damaged.
+SHARED_PARTS = ("tokenizer", "text_encoder", "vae")
 NATIVE_1024 = 128  # the 1024 px models' transformer sample_size (latent pixels)
 LAYOUT_HINT = (
     "A PixArt-Σ model is a diffusers folder holding model_index.json and the subfolders "
     + ", ".join(COMPONENTS)
     + " (for example a copy of the hub repository PixArt-alpha/PixArt-Sigma-XL-2-1024-MS). A folder with only "
     "transformer/ and scheduler/ (the 512 or 2K model) borrows "
-    + ", ".join(BORROWED)
+    + ", ".join(SHARED_PARTS)
     + " from a complete 1024 folder beside it."
 )
 # Where the errors about a missing part point, instead of repeating LAYOUT_HINT after their own fix.
@@ -49,8 +50,8 @@ def find_model_folders(roots: Iterable[str | os.PathLike]) -> list[str]:
     return sorted(names, key=str.lower)
 
 
-# Every PixArt-Σ folder's model_index.json names this pipeline class (`_class_name`); a folder lends its
-# components only to a folder of the same class.
+# Every PixArt-Σ folder's model_index.json names this pipeline class (`_class_name`); a folder is the base
+# folder only of a folder of the same class.
 PIPELINE_CLASS = "PixArtSigmaPipeline"
 # Each component's config file, read without its weights.
 CONFIG_FILES = {
@@ -73,11 +74,12 @@ class ModelSource:
     path: Path | None = None
     hub_id: str | None = None
     searched: tuple[str, ...] = ()
-    # The model that supplies the components this one lacks (a 2K folder's T5, tokenizer and VAE): a
-    # complete folder of the same pipeline class beside it that passes its own checks (see resolve_model).
-    lender: ModelSource | None = None
-    # Where a lender was looked for (the model folder's parent) and, when none was found, each model folder
-    # there with why it cannot lend: what an error about a missing component names.
+    # The base folder: the model that supplies the shared parts this one lacks (a 2K folder's T5, tokenizer
+    # and VAE), a complete folder of the same pipeline class beside it that passes its own checks (see
+    # resolve_model).
+    base: ModelSource | None = None
+    # Where a base folder was looked for (the model folder's parent) and, when none was found, each model
+    # folder there with why it cannot be one: what an error about a missing component names.
     beside: Path | None = None
     considered: tuple[str, ...] = ()
 
@@ -86,29 +88,32 @@ class ModelSource:
         """Identifies the weights for caches and embeddings metadata."""
         return str(self.path) if self.path is not None else f"hub:{self.hub_id}"
 
-    def borrowed(self) -> dict[str, Path]:
-        """Each component this local folder lacks and takes from its lender -> the lender's folder. Empty
+    def shared_parts(self) -> dict[str, Path]:
+        """Each shared part this local folder lacks and takes from its base folder -> the base folder. Empty
         for a complete folder, for a damaged one (with some of tokenizer/, text_encoder/, vae/ and not all:
-        it borrows nothing), for one with no lender beside it, and for a hub id (what a hub repository lacks is known only once
-        it is downloaded; :meth:`borrowing_note` names the published 512 and 2K ones' lender)."""
-        if self.path is None or self.lender is None or self.lender.path is None:
+        it takes none), for one with no base folder beside it, and for a hub id (what a hub repository lacks
+        is known only once it is downloaded; :meth:`shared_parts_note` names the published 512 and 2K ones'
+        base model)."""
+        if self.path is None or self.base is None or self.base.path is None:
             return {}
-        return {component: self.lender.path for component in BORROWED if not (self.path / component).is_dir()}
+        return {
+            component: self.base.path for component in SHARED_PARTS if not (self.path / component).is_dir()
+        }
 
-    def borrowing_note(self) -> str | None:
+    def shared_parts_note(self) -> str | None:
         """One line saying which components come from another model and from where; None when none do.
         :func:`resolve_model` logs it as a warning."""
         if self.path is None:
-            if self.lender is None or self.name not in HUB_IDS:
+            if self.base is None or self.name not in HUB_IDS:
                 return None
-            parts = ", ".join(f"{component}/" for component in BORROWED)
-            return f"model {self.name!r} has no {parts} on the hub: they come from the hub model {self.lender.name}"
-        borrowed = self.borrowed()
-        if not borrowed:
+            parts = ", ".join(f"{component}/" for component in SHARED_PARTS)
+            return f"model {self.name!r} has no {parts} on the hub: they come from the hub model {self.base.name}"
+        shared = self.shared_parts()
+        if not shared:
             return None
-        parts = ", ".join(f"{component}/" for component in borrowed)
-        they = "they come" if len(borrowed) > 1 else "it comes"
-        return f"model {self.name!r} has no {parts}: {they} from {self.lender.path}"
+        parts = ", ".join(f"{component}/" for component in shared)
+        they = "they come" if len(shared) > 1 else "it comes"
+        return f"model {self.name!r} has no {parts}: {they} from {self.base.path}"
 
     def folder(self, components: Sequence[str]) -> Path:
         """The local folder holding ``components``, downloading them first for a hub id."""
@@ -116,18 +121,18 @@ class ModelSource:
         missing = [component for component in components if not (folder / component).is_dir()]
         if not missing:
             return folder
-        if self.lender is not None and set(missing) <= set(BORROWED):
+        if self.base is not None and set(missing) <= set(SHARED_PARTS):
             if len(missing) < len(components):
                 raise ValueError(
                     f"model {self.name!r}: {', '.join(components)} are not in one folder ({', '.join(missing)} "
-                    f"come from {self.lender.path or self.lender.name}); ask for them one at a time."
+                    f"come from {self.base.path or self.base.name}); ask for them one at a time."
                 )
-            return self.lender.folder(components)
+            return self.base.folder(components)
         raise FileNotFoundError(self._missing_message(folder, missing))
 
     def check_complete(self, components: Sequence[str] = COMPONENTS) -> None:
-        """Check, before anything loads, that each of ``components`` is there (in this folder, or lent by
-        the complete folder beside it) with its config file, the tokenizer with its vocabulary, and
+        """Check, before anything loads, that each of ``components`` is there (in this folder, or in its
+        base folder beside it) with its config file, the tokenizer with its vocabulary, and
         text_encoder, transformer and vae with readable .safetensors weights (headers only:
         :func:`check_weights`). Reads only small files and loads no model. Raises FileNotFoundError (a
         missing folder, config or weights) or ValueError (an unreadable config, damaged weights) that says
@@ -147,13 +152,13 @@ class ModelSource:
             raise FileNotFoundError(
                 f"model {self.name!r}: folder {self.path} has no {MODEL_INDEX}. {LAYOUT_HINT}"
             )
-        lent = self.borrowed()
-        missing = [c for c in components if not (self.path / c).is_dir() and c not in lent]
+        shared = self.shared_parts()
+        missing = [c for c in components if not (self.path / c).is_dir() and c not in shared]
         if missing:
             raise FileNotFoundError(self._missing_message(self.path, missing))
         for component in components:
-            folder = lent.get(component, self.path) / component
-            origin = f" (lent by {lent[component]})" if component in lent else ""
+            folder = shared.get(component, self.path) / component
+            origin = f" (lent by {shared[component]})" if component in shared else ""
             config = folder / CONFIG_FILES[component]
             if not config.is_file():
                 raise FileNotFoundError(
@@ -180,11 +185,11 @@ class ModelSource:
         head = (
             f"model {self.name!r}: folder {folder} has no {names} subfolder{'s' if len(missing) > 1 else ''}."
         )
-        own = [component for component in missing if component not in BORROWED]
-        present = [f"{component}/" for component in BORROWED if (folder / component).is_dir()]
+        own = [component for component in missing if component not in SHARED_PARTS]
+        present = [f"{component}/" for component in SHARED_PARTS if (folder / component).is_dir()]
         if own:
             return (
-                f"{head} Only {', '.join(BORROWED)} can come from another folder; {', '.join(own)} must be in "
+                f"{head} Only {', '.join(SHARED_PARTS)} can come from another folder; {', '.join(own)} must be in "
                 f"the model's own folder: copy the model again. {LAYOUT_HINT}"
             )
         if self.path is None:
@@ -196,14 +201,14 @@ class ModelSource:
                 f"again from the model's download (or the whole model)."
             )
         else:
-            fix = self._no_lender_text()
+            fix = self._no_base_text()
         return f"{head} {fix} {LAYOUT_POINTER}"
 
-    def _no_lender_text(self) -> str:
+    def _no_base_text(self) -> str:
         beside, considered = self.beside, self.considered
         if beside is None:  # not made by resolve_model
             beside = self.path.parent
-            considered = _find_lender(self.path, beside, self.searched)[1]
+            considered = _find_base(self.path, beside, self.searched)[1]
         family = _pipeline_class(self.path) or PIPELINE_CLASS
         if considered:
             more = len(considered) - _LISTED
@@ -212,7 +217,7 @@ class ModelSource:
         else:
             found = "there is no other model folder there"
         return (
-            f"A folder without {', '.join(BORROWED)} borrows them from a complete PixArt-Σ 1024 folder beside it "
+            f"A folder without {', '.join(SHARED_PARTS)} borrows them from a complete PixArt-Σ 1024 folder beside it "
             f"(a {family} by its {MODEL_INDEX}, whole, that passes its own checks) in {beside}, and {found}. Put this folder beside a complete one (e.g. a copy of {HUB_1024}), "
             f"or copy the missing subfolders into it."
         )
@@ -297,14 +302,15 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
     ``roots`` (ComfyUI's models/diffusers folders) are where a name is looked up.
 
     A folder that lacks all of tokenizer/, text_encoder/ and vae/ (the shape the 512 and 2K models ship
-    in) borrows them from a lender; one that has some of them and lacks another is damaged and borrows
-    nothing (its error names the missing part and the fix). The lender is a complete folder that passes
-    its own checks (:meth:`ModelSource.check_complete`: every part there, configs and weights readable)
-    of the same pipeline class (model_index.json's ``_class_name``; PixArtSigmaPipeline when the borrower's
+    in) takes them, the shared parts, from its base folder; one that has some of them and lacks another is
+    damaged and takes none (its error names the missing part and the fix). The base folder is a complete
+    folder that passes its own checks (:meth:`ModelSource.check_complete`: every part there, configs and
+    weights readable)
+    of the same pipeline class (model_index.json's ``_class_name``; PixArtSigmaPipeline when the model's
     names none) that sits beside it: a sibling, a folder with the same parent as the model's folder as it
     was named (symlinks not resolved). Nothing below a sibling, elsewhere in the roots or higher up is
-    searched. A 1024 lender (transformer sample_size 128) comes first, then by name. What is borrowed, and
-    from where, is logged as a warning (:meth:`ModelSource.borrowing_note`)."""
+    searched. A 1024 base folder (transformer sample_size 128) comes first, then by name. What is shared, and
+    from where, is logged as a warning (:meth:`ModelSource.shared_parts_note`)."""
     roots = [Path(r) for r in roots]
     searched = tuple(str(r) for r in roots)
     if not name or not name.strip():
@@ -324,14 +330,14 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
                 )
             beside = Path(os.path.abspath(folder)).parent
             folder = folder.resolve()
-            lender, considered = _find_lender(folder, beside, searched)
+            base, considered = _find_base(folder, beside, searched)
             source = ModelSource(
-                name, folder, searched=searched, lender=lender, beside=beside, considered=considered
+                name, folder, searched=searched, base=base, beside=beside, considered=considered
             )
             break
     if source is None and (name in HUB_IDS or _looks_like_hub_id(name)):
-        lender = ModelSource(HUB_1024, hub_id=HUB_1024, searched=searched) if name != HUB_1024 else None
-        source = ModelSource(name=name, hub_id=name, searched=searched, lender=lender)
+        base = ModelSource(HUB_1024, hub_id=HUB_1024, searched=searched) if name != HUB_1024 else None
+        source = ModelSource(name=name, hub_id=name, searched=searched, base=base)
     if source is None:
         where = (
             f"Searched: {', '.join(searched)}. Put the model's folder under one of them, or give"
@@ -341,7 +347,7 @@ def resolve_model(name: str, roots: Iterable[str | os.PathLike] = ()) -> ModelSo
         raise FileNotFoundError(
             f"model {name!r} was not found. {where} a folder path or the hub id {HUB_IDS[0]!r}. {LAYOUT_HINT}"
         )
-    note = source.borrowing_note()
+    note = source.shared_parts_note()
     if note is not None:
         logger.warning(note)
     return source
@@ -357,10 +363,10 @@ def _pipeline_class(folder: Path) -> str | None:
     return found if isinstance(found, str) else None
 
 
-def _cannot_lend(folder: Path, family: str) -> str | None:
-    """Why ``folder`` cannot lend to a folder of pipeline class ``family``; None when it can: it must be
-    of that class, have every component itself and pass its own checks (weights' headers read, nothing
-    loaded), so that a part is never taken from a damaged model."""
+def _cannot_be_base(folder: Path, family: str) -> str | None:
+    """Why ``folder`` cannot be the base folder of a folder of pipeline class ``family``; None when it can:
+    it must be of that class, have every component itself and pass its own checks (weights' headers read,
+    nothing loaded), so that a part is never taken from a damaged model."""
     found = _pipeline_class(folder)
     if found != family:
         return f"a {found}, not a {family}" if found else f"its {MODEL_INDEX} names no {family}"
@@ -382,34 +388,34 @@ def _sample_size(folder: Path) -> int | None:
         return None
 
 
-def _find_lender(
+def _find_base(
     folder: Path, beside: Path, searched: tuple[str, ...]
 ) -> tuple[ModelSource | None, tuple[str, ...]]:
-    """For a folder without T5, tokenizer and VAE (the 2K model, often the 512 one): the complete folder of
-    its pipeline class among its siblings in ``beside`` to take them from, a 1024 one first (what the 2K
-    model's users pair it with); and, when there is none, each sibling model folder with why it cannot
-    lend. Siblings' subfolders are not searched. A folder with any of the three, complete or damaged,
-    borrows nothing."""
-    if any((folder / component).is_dir() for component in BORROWED):
+    """For a folder without T5, tokenizer and VAE (the 2K model, often the 512 one): its base folder, the
+    complete folder of its pipeline class among its siblings in ``beside`` to take them from, a 1024 one
+    first (what the 2K model's users pair it with); and, when there is none, each sibling model folder with
+    why it cannot be one. Siblings' subfolders are not searched. A folder with any of the three, complete
+    or damaged, has no base folder."""
+    if any((folder / component).is_dir() for component in SHARED_PARTS):
         return None, ()
     family = _pipeline_class(folder) or PIPELINE_CLASS
     try:
         siblings = sorted(beside.iterdir(), key=lambda path: path.name.lower())
     except OSError:
         siblings = []
-    lenders, refused = [], []
+    bases, refused = [], []
     for sibling in siblings:
         if sibling.name.startswith(".") or not (sibling / MODEL_INDEX).is_file():
             continue
         resolved = sibling.resolve()
         if resolved == folder:
             continue
-        why = _cannot_lend(sibling, family)
+        why = _cannot_be_base(sibling, family)
         if why is None:
-            lenders.append((sibling.name, resolved))
+            bases.append((sibling.name, resolved))
         else:
             refused.append(f"{sibling.name} ({why})")
-    if not lenders:
+    if not bases:
         return None, tuple(refused)
-    _name, lender = min(lenders, key=lambda item: (_sample_size(item[1]) != NATIVE_1024, item[0].lower()))
-    return ModelSource(name=lender.name, path=lender, searched=searched), ()
+    _name, base = min(bases, key=lambda item: (_sample_size(item[1]) != NATIVE_1024, item[0].lower()))
+    return ModelSource(name=base.name, path=base, searched=searched), ()

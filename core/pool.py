@@ -132,7 +132,7 @@ class ModelCache:
 
     def _park(self, key: Hashable, model: torch.nn.Module, entry: object, host: CacheHost | None) -> bool:
         """Take ``model`` off its device into host memory — the host offloads it (its handle ``entry``), or
-        without one its :class:`HostCopy` (made the first time) puts its home copies back — and into the
+        without one its :class:`HostCopy` (made the first time) puts its host copies back — and into the
         pool, within the budget (least recently used out); False when it does not go there."""
         if self.host_budget <= 0:
             return False

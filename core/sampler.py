@@ -26,15 +26,16 @@ from .contract import (
     check_size,
     warn,
 )
-from .devices import as_device, attention_order, resolve_dtype
+from .devices import attention_order
 from .estimates import Workload
 from .models import ModelSource
 from .pool import cache
-from .quant import TRANSFORMER_SCHEMES, Scheme, choose, quanto
+from .quant import Scheme, quanto
 from .quant import compute as compute_paths
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS, make_scheduler, steps_to_run
 from .single_files import TransformerFile
-from .transformer import quantized_transformer, transformer_weights
+from .transformer import INPUTS as TRANSFORMER_INPUTS
+from .transformer import TransformerSettings, quantized_transformer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _size(name: str) -> inputs.Input:
 
 # The sampling stage's inputs in its node's order (see inputs.py).
 INPUTS = inputs.Inputs(
-    inputs.slot("model"),
+    TRANSFORMER_INPUTS["model"],
     inputs.slot("embeds"),
     _size("width"),
     _size("height"),
@@ -105,9 +106,7 @@ INPUTS = inputs.Inputs(
     ),
     # Named `weights` before; at the same place, so saved workflows keep their value. `--quant` is the
     # command line's name of earlier versions.
-    inputs.quantization(
-        TRANSFORMER_SCHEMES, "the transformer's weights.", flags=("--quantization", "--quant")
-    ),
+    TRANSFORMER_INPUTS["quantization"],
     inputs.KEEP_LOADED,
     # Optional and after the others, so workflows saved before they existed still load.
     inputs.slot("latent", optional=True),
@@ -149,7 +148,7 @@ INPUTS = inputs.Inputs(
         flags=(),  # the command line starts from no latent
     ),
     inputs.low_vram("the transformer's 28 blocks"),
-    inputs.slot("transformer_file", optional=True),
+    TRANSFORMER_INPUTS["transformer_file"],
     inputs.Input(
         "fast",
         inputs.BOOL,
@@ -179,33 +178,18 @@ INPUTS = inputs.Inputs(
         help="lossy: skip the transformer's blocks 2.. on steps where the first block's output changed by less "
         "than this fraction (diffusers' First Block Cache; 0 = off)",
     ),
-    inputs.Input(
-        "compute",
-        inputs.CHOICE,
-        compute_paths.FP16,
-        f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
-        "weights (the sampler's peak about 1 GiB lower at 1024²) and give an image close to fp16's, not equal "
-        "to it; on an H200 they are no faster than fp16 (docs/BENCHMARKS.md).",
-        choices=list(compute_paths.COMPUTES),
-        optional=True,
-        checked=False,  # compute_paths.require(), against the device and the quantization
-        help=f"how the blocks compute: {compute_paths.tooltip()}",
-    ),
-)
-# The int8 Model Loader's: where the transformer comes from, how it is quantized and how it computes; last
-# (added later), whether ComfyUI keeps the MODEL on the GPU between runs, which the node declares itself.
-LOADER_INPUTS = inputs.Inputs(
-    *INPUTS.only("model", "quantization", "transformer_file", "compute"),
-    inputs.slot("keep_loaded", optional=True),
+    TRANSFORMER_INPUTS["compute"],
 )
 
 
 @dataclass(frozen=True)
 class SamplerSettings:
     """Every choice of the sampling stage, checked when it is made (before anything loads): what a node or
-    the command line builds once and hands to :func:`sample`. Derived values (the size a ``resolution``
-    stands for, ``scheme``, ``dtype``, where the transformer comes from and its config) are worked out here
-    and nowhere else.
+    the command line builds once and hands to :func:`sample`. The transformer's own choices (``model``,
+    ``transformer_file``, ``quantization``, ``compute``, ``precision``, ``device``, ``quant_cache``) are
+    given here as the others are and make its :class:`~.transformer.TransformerSettings` (``transformer``),
+    which works out what follows from them (``scheme``, ``dtype``, where the weights come from and their
+    config); the size a ``resolution`` stands for is worked out here, and nowhere else.
 
     ``resolution``: ``custom`` takes ``width`` and ``height`` (a side left None is the model's native size),
     ``native`` a square of the model's own size, otherwise one of :func:`resolution_presets`. A LATENT given
@@ -249,10 +233,7 @@ class SamplerSettings:
     transformer_file: str | os.PathLike | None = None
     quant_cache: str | os.PathLike | None = None
     loras: tuple[lora.LoraSpec, ...] = ()
-    scheme: Scheme = field(init=False)
-    dtype: torch.dtype = field(init=False)
-    weights: ModelSource | TransformerFile = field(init=False)
-    config: dict = field(init=False, repr=False, compare=False)  # the transformer's
+    transformer: TransformerSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # A size given for resolution custom is checked with the other inputs (one error names them all);
@@ -266,27 +247,23 @@ class SamplerSettings:
         for spec in self.loras:
             if not isinstance(spec, lora.LoraSpec):
                 raise TypeError(f"loras holds {spec!r}; each must be a LoraSpec (a file and a strength).")
-        device = as_device(self.device)
-        # The parts of the model this stage reads, there and readable before anything loads.
-        self.model.check_complete(["scheduler", *(["transformer"] if self.transformer_file is None else [])])
-        weights = transformer_weights(self.model, self.transformer_file)
-        derived = {
-            "device": device,
-            "scheme": choose(self.quantization, TRANSFORMER_SCHEMES, device),
-            "dtype": resolve_dtype(
-                self.precision, device, cuda_default=torch.float16, cpu_default=torch.bfloat16
-            ),
-            "weights": weights,
-            "config": weights.config
-            if isinstance(weights, TransformerFile)
-            else self.model.config("transformer"),
-        }
-        compute_paths.require(self.compute, device, self.quantization)
+        transformer = TransformerSettings(
+            self.model,
+            transformer_file=self.transformer_file,
+            quantization=self.quantization,
+            compute=self.compute,
+            precision=self.precision,
+            device=self.device,
+            quant_cache=self.quant_cache,
+            also_reads=["scheduler"],
+        )
+        native = transformer.native_size
+        derived = {"transformer": transformer, "device": transformer.device}
         if self.resolution == NATIVE_RESOLUTION:
-            derived["width"] = derived["height"] = weights.native_size
+            derived["width"] = derived["height"] = native
         elif self.resolution == CUSTOM_RESOLUTION:
-            derived["width"] = weights.native_size if self.width is None else self.width
-            derived["height"] = weights.native_size if self.height is None else self.height
+            derived["width"] = native if self.width is None else self.width
+            derived["height"] = native if self.height is None else self.height
         else:
             derived["width"], derived["height"] = preset_size(self.resolution, self.width, self.height)
         check_size("width", derived["width"])
@@ -294,32 +271,38 @@ class SamplerSettings:
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 
+    # What every stage's settings say (the stage contract), and what the sampling reads: the transformer's.
+    @property
+    def scheme(self) -> Scheme:
+        return self.transformer.scheme
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def weights(self) -> ModelSource | TransformerFile:
+        return self.transformer.weights
+
     @property
     def native_size(self) -> int:
-        """The side in pixels the transformer was trained at (512, 1024 or 2048 for PixArt-Σ's variants)."""
-        return self.weights.native_size
+        return self.transformer.native_size
 
     @property
     def caption_channels(self) -> int:
-        return self.config.get("caption_channels", 4096)
+        return self.transformer.caption_channels
 
     @property
     def compiled(self) -> bool:
-        """Whether the blocks run compiled: with ``fast``, and on a GPU for the 8-bit paths (whose activations'
-        quantization pays only fused into the kernel before it, :mod:`.quant.compute`; on the CPU a compile
-        takes minutes and the 8-bit paths run eager)."""
-        return self.fast or (self.compute != compute_paths.FP16 and self.device.type == "cuda")
+        """Whether the blocks run compiled: with ``fast``, or for the compute's sake
+        (:attr:`.transformer.TransformerSettings.compiled`)."""
+        return self.fast or self.transformer.compiled
 
     @property
     def dense(self) -> bool:
-        """Whether a run holds the quantized weights expanded (on a GPU, without low_vram, when quantized and
-        computing in fp16)."""
-        return (
-            self.device.type == "cuda"
-            and not self.low_vram
-            and self.scheme.quantized
-            and self.compute == compute_paths.FP16
-        )
+        """Whether a run holds the quantized weights expanded (:attr:`.transformer.TransformerSettings.dense`,
+        without low_vram)."""
+        return not self.low_vram and self.transformer.dense
 
     def streamed(self, work: Workload) -> bool:
         """Whether a run of ``work`` streams the blocks from CPU memory: with low_vram, when the whole
@@ -459,7 +442,7 @@ def _load(settings: SamplerSettings, streamed: bool):
     kept in CPU memory and its blocks streamed to the device one at a time (:mod:`streaming`). ``fast``:
     the blocks are compiled."""
     return prepare(
-        quantized_transformer(settings),
+        quantized_transformer(settings.transformer),
         settings.scheme,
         settings.device,
         streamed,

@@ -43,10 +43,10 @@ def _count(tensor: torch.Tensor, device: torch.device) -> None:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device`` for a run, leaving ``tensor`` — a home copy — as it is.
+    """A copy of ``tensor`` on ``device`` for a run, leaving ``tensor`` — a host copy — as it is.
 
     bitsandbytes' ``Params4bit.to`` moves the weight's ``quant_state`` (its absmax, 70 MiB for T5-XXL in
-    nf4) in place and shares it with the copy, so the home copy's state would stay on the device after the
+    nf4) in place and shares it with the copy, so the host copy's state would stay on the device after the
     run; here the copy gets a state of its own. A parameter stays a parameter (``Tensor.to`` returns a plain
     tensor), so code compiled for the model sees the same types on every run."""
     state = getattr(tensor, "quant_state", None)
@@ -58,7 +58,7 @@ def to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool = F
     own = copy.copy(state)
     if getattr(state, "nested", False):
         own.state2 = copy.copy(state.state2)
-    # What QuantState.to moves, moved here (asynchronously where the home is page-locked); its own .to,
+    # What QuantState.to moves, moved here (asynchronously where the host copy is page-locked); its own .to,
     # which bitsandbytes then calls, finds them there.
     for holder, name in _state_tensors(own):
         setattr(holder, name, getattr(holder, name).to(device, non_blocking=non_blocking))
@@ -300,8 +300,8 @@ def pin_attribute(holder: object, name: str) -> None:
 
 
 class HostCopy:
-    """A model kept whole in (page-locked) CPU memory: its tensors there are its home copies. For a run each
-    is copied to the device; after it the device copies are dropped and the home copies put back — nothing
+    """A model kept whole in (page-locked) CPU memory: its tensors there are its host copies. For a run each
+    is copied to the device; after it the device copies are dropped and the host copies put back — nothing
     is copied back, since the weights never change. The first :class:`HostCopy` of a model on the GPU moves
     it to CPU memory once. A streamed model (:func:`stream_blocks`) keeps its blocks as they are and only its
     resident parts move.
@@ -319,8 +319,8 @@ class HostCopy:
         if self.streamer is not None:
             return
         self.slots = _slots(model)
-        self.homes = [getattr(m, kind)[name] for m, kind, name in self.slots]
-        for tensor in self.homes:
+        self.host_copies = [getattr(m, kind)[name] for m, kind, name in self.slots]
+        for tensor in self.host_copies:
             pin(tensor)
             state = getattr(tensor, "quant_state", None)
             for holder, name in [] if state is None else _state_tensors(state):
@@ -367,11 +367,11 @@ class HostCopy:
 
         def place(indices: list[int]) -> None:
             for i in indices:
-                (m, kind, name), home = self.slots[i], self.homes[i]
-                if id(home) not in moved:
-                    moved[id(home)] = to_device(home, device, non_blocking=True)
-                    _count(home, device)
-                getattr(m, kind)[name] = moved[id(home)]
+                (m, kind, name), host_copy = self.slots[i], self.host_copies[i]
+                if id(host_copy) not in moved:
+                    moved[id(host_copy)] = to_device(host_copy, device, non_blocking=True)
+                    _count(host_copy, device)
+                getattr(m, kind)[name] = moved[id(host_copy)]
 
         place(self.outside)  # first, on the current stream: the run's first layers read them
         for index, indices in enumerate(self.per_block):
@@ -391,5 +391,5 @@ class HostCopy:
             move_model(self.model, CPU)
             return
         self.ready = [None] * len(self.ready)
-        for (m, kind, name), home in zip(self.slots, self.homes, strict=True):
-            getattr(m, kind)[name] = home
+        for (m, kind, name), host_copy in zip(self.slots, self.host_copies, strict=True):
+            getattr(m, kind)[name] = host_copy

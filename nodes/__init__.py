@@ -1,4 +1,6 @@
-"""ComfyUI adapters: one file per node; each reads inputs, calls one core function, wraps the result."""
+"""ComfyUI adapters: one file per node; each reads inputs, calls one core function, wraps the result.
+Beside them: common.py (ComfyUI's services as plain values, node inputs from core's tables), comfy_models.py
+(the stages' models as ComfyUI's models) and int8_model/ (the int8 Model Loader's MODEL)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ from comfy_api.latest import ComfyExtension, io
 
 from .batched_guidance import PixArtBatchedGuidance
 from .free_vram import FreeVRAM
+from .lora_loader import PixArtLoRA
 from .memory_snapshot import MemorySnapshot
-from .model_loader import PixArtInt8ModelLoader, PixArtLoRA
+from .model_loader import PixArtInt8ModelLoader
 from .sampler import QuantoPixArtSampler
 from .t5_encode import QuantizedT5Encode
 from .vae_decode import PixArtVAEDecode

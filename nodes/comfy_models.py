@@ -13,7 +13,7 @@ uses it hands it to ``load_models_gpu`` again, which moves it back when it was o
 not kept is unloaded by ComfyUI after its stage (:meth:`ComfyModels.offload`) and its patcher waits in the
 pack's host-memory pool for the next stage with the same settings; one the pool drops loses its last
 reference, and ComfyUI's own finalizer has nothing left to clean. Offloaded to CPU memory, a patcher keeps
-its model's page-locked home copies (``streaming.HostCopy``): a load copies them to the GPU, an unload
+its model's page-locked host copies (``streaming.HostCopy``): a load copies them to the GPU, an unload
 drops the device copies.
 
 The patcher is a subclass because these are not ComfyUI's model classes: bitsandbytes 4-bit and
@@ -70,9 +70,9 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
     ):
         self.key = key  # the pack cache's key, for the log
-        # Its page-locked home copies in CPU memory, made the first time ComfyUI offloads it there: from then
+        # Its page-locked host copies in CPU memory, made the first time ComfyUI offloads it there: from then
         # on a load copies them to the device and an offload drops the device copies (nothing copied back).
-        self.home: streaming.HostCopy | None = None
+        self.host_copy: streaming.HostCopy | None = None
         size = max(streaming.bytes_on(model, device), 1)
         holder = _Holder(model)
         # Loaded on ``device`` already (straight from the files): load_models_gpu registers it as it is.
@@ -90,8 +90,8 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
         self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs
     ):
         # Whole, whatever the budget: these weights cannot be split between devices.
-        if self.home is not None:
-            self.home.to(device_to)
+        if self.host_copy is not None:
+            self.host_copy.to(device_to)
         else:
             streaming.move_model(self.inner, device_to)
         model = self.model
@@ -108,10 +108,10 @@ class PackModelPatcher(comfy.model_patcher.ModelPatcher):
             device_to = torch.device(device_to)
             if device_to.type != "cpu":  # --highvram / --gpu-only: the offload device is the GPU itself
                 streaming.move_model(self.inner, device_to)
-            elif self.home is None:
-                self.home = streaming.HostCopy(self.inner)
+            elif self.host_copy is None:
+                self.host_copy = streaming.HostCopy(self.inner)
             else:
-                self.home.back()
+                self.host_copy.back()
             self.model.device = device_to
             logger.info("ComfyUI moved pack model %s to %s", self.key, device_to)
 
@@ -166,8 +166,9 @@ def install(cache: ModelCache) -> ComfyModels:
 MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 
 
-class NodeLease:
-    """ComfyUI's hold on the pack's models (kept, or waiting in host memory): its node objects.
+class ModelNodeObjects:
+    """The count of ComfyUI's live node objects of the pack's model nodes, which hold the pack's models (kept,
+    or waiting in host memory): when the last one goes, the models go.
 
     ComfyUI makes one object per node of a prompt and keeps it in its object cache, beside the node's
     outputs, until a prompt no longer has that node or ``POST /free`` with ``free_memory`` (the front end's
@@ -182,7 +183,7 @@ class NodeLease:
         self.cache = cache
         self.alive = 0
 
-    def hold(self, node: object) -> None:
+    def add(self, node: object) -> None:
         self.alive += 1
         weakref.finalize(node, self._let_go).atexit = False
 
@@ -229,13 +230,13 @@ def running_prompt(prompt_id: str) -> dict | None:
     return next((item[2] for item in _running_items() if item[1] == prompt_id), None)
 
 
-LEASE = NodeLease(cache)
+MODEL_NODE_OBJECTS = ModelNodeObjects(cache)
 
 
 class HoldsModels:
     """The model nodes' base beside ``io.ComfyNode``: each node object ComfyUI makes holds the pack's models
-    (:class:`NodeLease`)."""
+    (:class:`ModelNodeObjects`)."""
 
     def __init__(self) -> None:
         super().__init__()
-        LEASE.hold(self)
+        MODEL_NODE_OBJECTS.add(self)

@@ -6,7 +6,7 @@ one block); equal lengths, which ComfyUI batches by itself, give the same bits a
 small for ComfyUI's PixArt are refused before sampling; ComfyUI's MultiGPU deep clone copies the MODEL.
 And the MODEL's runs: its forward (diffusers' blocks over its layers) against ComfyUI's, its LoRAs folded
 against ComfyUI's sum, keep_loaded off leaving ComfyUI's loaded models after each run, and its layers'
-homes in CPU memory."""
+host copies in CPU memory."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pixart_lowvram.core.models import resolve_model
 
 pytestmark = pytest.mark.comfyui  # skipped without COMFYUI_PATH (conftest.py)
 
-SIZE = 272  # the smallest square ComfyUI's PixArt places its position embedding for (int8_model.refuse_small)
+SIZE = 272  # the smallest square ComfyUI's PixArt places its position embedding for (int8_model.build.refuse_small)
 STEPS, CFG = 4, 4.5
 PROMPT_TOKENS = 40  # a long prompt; the empty negative is its end token alone (1)
 
@@ -50,17 +50,18 @@ def comfy():
 
 def int8_model_of(tiny_folder, tmp_path_factory, **choices):
     """The int8 Model Loader's MODEL of the tiny model on the CPU, in float32."""
-    from pixart_lowvram.core.sampler import SamplerSettings
+    from pixart_lowvram.core.transformer import TransformerSettings
     from pixart_lowvram.nodes import int8_model
 
-    settings = SamplerSettings(
+    keep_loaded = choices.pop("keep_loaded", False)
+    settings = TransformerSettings(
         resolve_model(str(tiny_folder)),
         device="cpu",
         precision=torch.float32,
         quant_cache=tmp_path_factory.mktemp("quantized"),
         **choices,
     )
-    return int8_model.load(settings)
+    return int8_model.load(settings, keep_loaded)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def sample(
 
 def two_passes(model):
     """The MODEL as ComfyUI runs it by itself: no batching function."""
-    from pixart_lowvram.nodes import batched_guidance
+    from pixart_lowvram.nodes.int8_model import guidance as batched_guidance
 
     plain = model.clone()
     plain.model_options.pop(batched_guidance.KEY, None)
@@ -182,7 +183,7 @@ def test_equal_lengths_give_what_comfyui_gives_by_itself(comfy, pack_model):
 
 
 def test_lengths_without_a_short_common_length_stay_two_passes(comfy, pack_model):
-    from pixart_lowvram.nodes import batched_guidance
+    from pixart_lowvram.nodes.int8_model import guidance as batched_guidance
 
     tokens = batched_guidance.MAX_PADDED_TOKENS - 1  # with 40: a common length of 11960
     assert batched_guidance.padded_length(PROMPT_TOKENS, tokens) is None
@@ -194,7 +195,7 @@ def test_the_conds_are_made_ready_once_per_run_and_let_go_at_its_end(comfy, pack
     """ComfyUI's calc_cond_batch gets the same conditioning objects at every step of a run, padded and on the
     latents' device (not copied there again each step), and the MODEL's guidance lets them go when the run
     ends (ON_CLEANUP)."""
-    from pixart_lowvram.nodes import batched_guidance
+    from pixart_lowvram.nodes.int8_model import guidance as batched_guidance
 
     calc_cond_batch = comfy.samplers.calc_cond_batch
     steps = []
@@ -278,7 +279,8 @@ def test_multigpu_deep_clone_builds_a_fresh_model_that_computes_the_same(comfy, 
     """ComfyUI's MultiGPU CFG Split copies a MODEL with ``deepclone_multigpu`` (v0.33 on): the pack's
     builds a fresh one from its ``cached_patcher_init``, with the same numbers and the same options, its
     forward over its own layers."""
-    from pixart_lowvram.nodes import batched_guidance, pack_forward
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+    from pixart_lowvram.nodes.int8_model import guidance as batched_guidance
 
     if not hasattr(pack_model, "deepclone_multigpu"):
         pytest.skip("this ComfyUI has no MultiGPU deep clone")
@@ -307,8 +309,8 @@ def test_the_schedule_stays_on_the_cpu_wherever_the_model_moves(comfy, core_mode
     ComfyUI's own move with the model."""
     import comfy.samplers
 
-    from pixart_lowvram.nodes import repeatable
     from pixart_lowvram.nodes.batched_guidance import PixArtBatchedGuidance
+    from pixart_lowvram.nodes.int8_model import repeatable
 
     patched = PixArtBatchedGuidance.execute(core_model).result[0]
     original = core_model.get_model_object("model_sampling")
@@ -335,7 +337,7 @@ def test_the_schedule_stays_on_the_cpu_wherever_the_model_moves(comfy, core_mode
 
 def test_the_schedule_patch_samples_what_comfyui_samples(comfy, pack_model):
     """On the CPU, ComfyUI's tables and the patch's are the same numbers on the same device: the same bits."""
-    from pixart_lowvram.nodes import repeatable
+    from pixart_lowvram.nodes.int8_model import repeatable
 
     assert repeatable.applied(pack_model)
     plain = pack_model.clone()
@@ -353,7 +355,7 @@ def test_the_attention_kernel_is_settled_once_per_device_before_the_first_step(
     ComfyUI to apply its backend order), once per process and device; none on the CPU."""
     import comfy.ops
 
-    from pixart_lowvram.nodes import repeatable
+    from pixart_lowvram.nodes.int8_model import repeatable
 
     calls = []
     monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", lambda q, k, v: calls.append(q))
@@ -396,7 +398,7 @@ def run_of(model):
     return next(
         callback.__self__
         for callback in model.get_all_callbacks("on_pre_run")
-        if isinstance(getattr(callback, "__self__", None), int8_model._Run)
+        if isinstance(getattr(callback, "__self__", None), int8_model.lora.RunPatches)
     )
 
 
@@ -415,7 +417,7 @@ def test_plain_loras_fold_into_the_weights_as_comfyui_sums_them(comfy, lora_mode
     assert any(branch.rows is not None for branches in factors.values() for branch in branches)
     for key, branches in factors.items():
         weight = layers[key].expanded()
-        folded = int8_model._Fold(branches)(weight.clone())
+        folded = int8_model.lora._Fold(branches)(weight.clone())
         summed = comfy.lora.calculate_weight(lora_model.patches[key], weight.clone(), key)
         torch.testing.assert_close(folded, summed, rtol=1e-5, atol=1e-6, msg=key)
     assert run.factors(lora_model) is factors  # the same set of patches: not read again
@@ -454,7 +456,7 @@ def test_a_run_with_the_fold_samples_what_comfyuis_sum_samples(comfy, pack_model
     run = run_of(lora_model)
     run.read = None
     folded, _ = sample(comfy, lora_model)
-    monkeypatch.setattr(int8_model, "_plain_loras", lambda patches, dtype: None)
+    monkeypatch.setattr(int8_model.lora, "_plain_loras", lambda patches, dtype: None)
     run.read = None
     summed, _ = sample(comfy, lora_model)
     run.read = None
@@ -477,7 +479,7 @@ def test_a_patch_that_is_not_a_plain_lora_goes_through_comfyuis_sum(comfy, pack_
     model.add_patches({key: (torch.full_like(stored, 0.01),)}, 1.0)
     run.start(model)
     try:
-        assert isinstance(layer.weight_patch, int8_model._Patches)
+        assert isinstance(layer.weight_patch, int8_model.lora._Patches)
         torch.testing.assert_close(layer.expanded(), stored + 0.01)
     finally:
         run.end(model)
@@ -530,11 +532,11 @@ def test_keep_loaded_off_lets_comfyui_unload_the_model_after_each_run(comfy, pac
     assert not loaded(pack_model) and loaded(kept_model)
 
 
-def test_the_models_layers_go_back_to_their_homes_in_cpu_memory(comfy, pack_model):
-    """A layer of the MODEL moved off the CPU keeps its tensors' homes; moved back, the homes are in place
-    (the same memory and values: nothing copied back) and nothing on the device is held. The meta device
-    stands for the GPU here: a meta tensor has no data, so the move back makes fresh CPU tensors for
-    whatever has no home."""
+def test_the_models_layers_go_back_to_their_host_copies_in_cpu_memory(comfy, pack_model):
+    """A layer of the MODEL moved off the CPU keeps its tensors' host copies; moved back, the host copies are
+    in place (the same memory and values: nothing copied back) and nothing on the device is held. The meta
+    device stands for the GPU here: a meta tensor has no data, so the move back makes fresh CPU tensors for
+    whatever has no host copy."""
     import copy
 
     layer = copy.deepcopy(pack_model.model.diffusion_model.blocks[0].mlp.fc1)
@@ -546,22 +548,22 @@ def test_the_models_layers_go_back_to_their_homes_in_cpu_memory(comfy, pack_mode
     layer._apply(lambda t: torch.empty_like(t, device="cpu") if t.is_meta else t.to("cpu"))
     assert {name: getattr(layer, name).data_ptr() for name in names} == before
     assert all(torch.equal(getattr(layer, name), values[name]) for name in names)
-    assert layer._homes["weight"][1]() is None and layer._homes["weight_scale"][1]() is None
+    assert layer._host_copies["weight"][1]() is None and layer._host_copies["weight_scale"][1]() is None
 
 
 def test_a_walk_asks_where_it_puts_each_kind_of_tensor_once(comfy, pack_model):
     """Moving the whole MODEL (its transformer here, to the meta device standing for the GPU, and back),
     each of the layers' ``_apply`` asks the walk's function where it puts a tensor of each kind (dtype and
     device) once a walk, not once a tensor: the question is a zero-size tensor made and moved. A new walk
-    asks again, and the layers end in their homes as before."""
+    asks again, and the layers end in their host copies as before."""
     import copy
 
     pixart = copy.deepcopy(pack_model.model.diffusion_model)
-    layers = [m for m in pixart.modules() if hasattr(m, "HOMED")]
+    layers = [m for m in pixart.modules() if hasattr(m, "COPIED")]
     kinds = {
         (tensor.dtype, tensor.device)
         for layer in layers
-        for kind, name in layer.HOMED
+        for kind, name in layer.COPIED
         if (tensor := getattr(layer, kind).get(name)) is not None
     }
     before = {id(layer): layer.weight.data_ptr() for layer in layers}
@@ -586,7 +588,7 @@ def test_a_walk_asks_where_it_puts_each_kind_of_tensor_once(comfy, pack_model):
 def test_the_pack_forward_computes_what_comfyuis_pixart_computes(comfy, pack_model):
     """The MODEL's forward (its object patch of ComfyUI's forward_orig: diffusers' blocks over the MODEL's
     own layers) against ComfyUI's own forward_orig on the same inputs, square and not: within fp32 rounding."""
-    from pixart_lowvram.nodes import pack_forward
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
     pixart = pack_model.model.diffusion_model
     forward = pack_model.object_patches[pack_forward.OBJECT]
@@ -608,7 +610,7 @@ def test_the_position_embedding_is_made_once_a_run_as_diffusers_makes_it(comfy, 
     would make it at every step), the same bits as made at every call, and holds none after the run."""
     import diffusers.models.embeddings as embeddings
 
-    from pixart_lowvram.nodes import pack_forward
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
     forward = pack_model.object_patches[pack_forward.OBJECT]
     made = []
@@ -645,7 +647,7 @@ def test_no_attention_call_asks_for_its_processors_signature(comfy, pack_model, 
     theirs made once, so a KSampler run computes none."""
     import inspect
 
-    from pixart_lowvram.nodes import pack_forward
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
     forward = pack_model.object_patches[pack_forward.OBJECT]
     processors = {
@@ -665,7 +667,7 @@ def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
     """Under KSampler the MODEL's steps run diffusers' blocks (each step's one batched forward), none of
     ComfyUI's; ComfyUI's own forward, the object patch taken off, samples the same latents within the
     guidance bound."""
-    from pixart_lowvram.nodes import pack_forward
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
     forward = pack_model.object_patches[pack_forward.OBJECT]
     calls = {"diffusers": 0, "comfyui": 0}

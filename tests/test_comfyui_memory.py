@@ -362,7 +362,7 @@ def test_a_model_not_kept_is_unloaded_by_comfyui_and_waits_in_host_memory(comfy_
 
 
 class FakeQueue:
-    """ComfyUI's PromptQueue as the lease reads it: the prompts running."""
+    """ComfyUI's PromptQueue as ModelNodeObjects reads it: the prompts running."""
 
     def __init__(self, *running: dict):
         self.running = [(index, f"prompt-{index}", prompt, {}, []) for index, prompt in enumerate(running)]
@@ -393,7 +393,7 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
     from pixart_lowvram.nodes.t5_encode import QuantizedT5Encode
     from pixart_lowvram.nodes.vae_decode import PixArtVAEDecode
 
-    # The lease's node types are those of the nodes that hold it (their ids are written in both places).
+    # The model nodes are those whose objects hold the models (their ids are written in both places).
     holders = (QuantizedT5Encode, QuantoPixArtSampler, PixArtVAEDecode)
     assert all(issubclass(cls, comfy_models.HoldsModels) for cls in holders)
     assert {cls.define_schema().node_id for cls in holders} == set(comfy_models.MODEL_NODES)
@@ -403,10 +403,10 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
         use("waiting", keep=False)
         assert (len(cache), cache.pooled()) == (1, [("transformer", "waiting")])
 
-    assert comfy_models.LEASE.alive == 0
+    assert comfy_models.MODEL_NODE_OBJECTS.alive == 0
     fill()
     encoder, sampler = QuantizedT5Encode(), QuantoPixArtSampler()
-    assert comfy_models.LEASE.alive == 2
+    assert comfy_models.MODEL_NODE_OBJECTS.alive == 2
     del encoder
     gc.collect()
     assert (len(cache), len(cache.pooled())) == (1, 1)  # the sampler's object holds them
@@ -422,7 +422,7 @@ def test_the_pack_lets_go_of_its_models_with_comfyuis_last_node_object(comfy_mm,
         del node
         gc.collect()
         assert (len(cache), cache.pooled()) == (0, []), running
-    assert comfy_models.LEASE.alive == 0
+    assert comfy_models.MODEL_NODE_OBJECTS.alive == 0
 
 
 def test_with_cache_none_no_model_waits_in_host_memory(comfy_mm, host_pool, monkeypatch):

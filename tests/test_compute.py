@@ -223,7 +223,7 @@ def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it
 def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp_path):
     settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute="fp8")
     model = sampler.prepare(
-        quantized_transformer(settings), settings.scheme, torch.device("cpu"), compute="fp8"
+        quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute="fp8"
     )
     layer = model.get_submodule("transformer_blocks.0.attn1.to_q")
     stored = layer.weight.clone()

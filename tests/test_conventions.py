@@ -1,5 +1,6 @@
 """The data passed between nodes: LATENT in raw VAE space, IMAGE [B,H,W,3] in 0..1, PIXART_EMBEDS
-padded to 300 tokens — all float32 or masks on the CPU, as ARCHITECTURE.md states."""
+padded to 300 tokens — all float32 or masks on the CPU, as core/contract.py and
+vae.decode state."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
 
     def quantized_model():
         return scheme.after_load(
-            transformer.read(settings, tiny.folder(["transformer"]) / "transformer")
+            transformer.read(settings.transformer, tiny.folder(["transformer"]) / "transformer")
         ).eval()
 
     # Two reads of the same weights (quanto's tensors cannot be deep-copied). The plain layers are made on

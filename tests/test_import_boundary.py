@@ -95,9 +95,11 @@ def test_nodes_do_not_import_the_command_line():
     import ast
 
     root = Path(__file__).resolve().parent.parent
-    for path, package in [(p, "pixart_lowvram.nodes") for p in sorted((root / "nodes").glob("*.py"))] + [
-        (root / "__init__.py", "pixart_lowvram")
-    ]:
+    nodes = [
+        (path, ".".join(("pixart_lowvram", *path.parent.relative_to(root).parts)))
+        for path in sorted((root / "nodes").rglob("*.py"))
+    ]
+    for path, package in [*nodes, (root / "__init__.py", "pixart_lowvram")]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom):
                 base = package.rsplit(".", node.level - 1)[0] if node.level else ""
@@ -146,3 +148,53 @@ def test_inside_an_older_comfyui_the_import_logs_one_line_and_no_traceback(tmp_p
         check=False,
     )
     assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def core_imports() -> dict[str, set[str]]:
+    """Each core module (``sampler``, ``quant.compute`` …) and the core modules it imports anywhere in its
+    file: at the top, inside functions, or for type checking only (an import cycle all the same to a
+    reader). A module's own parent packages are not counted: Python imports them before it in any case."""
+    import ast
+
+    core = Path(__file__).resolve().parent.parent / "core"
+    names = {
+        ".".join(path.relative_to(core).with_suffix("").parts).removesuffix("__init__").rstrip("."): path
+        for path in core.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parents = {".".join(name.split(".")[:i]) for i in range(len(name.split(".")))}
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                parts = [part for part in package.split(".") if part]
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("pixart_lowvram.core"):
+                base = node.module.removeprefix("pixart_lowvram.core").lstrip(".")
+            else:
+                continue
+            candidates = [base, *(f"{base}.{alias.name}".lstrip(".") for alias in node.names)]
+            imported |= {module for module in candidates if module in names and module not in parents}
+        graph[name] = imported - {name}
+    return graph
+
+
+def test_core_has_no_import_cycle():
+    """The transformer's settings and loading do not reach back into the sampler that runs them, and no
+    other core module imports one that imports it back."""
+    graph = core_imports()
+    assert "sampler" not in graph["transformer"], "core/transformer.py imports core/sampler.py"
+    assert "transformer" in graph["sampler"]  # the probe reads the imports it is meant to read
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for module in graph[start] - seen:
+            seen.add(module)
+            if module == goal or reaches(module, goal, seen):
+                return True
+        return False
+
+    cycles = sorted(f"{a} -> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
+    assert cycles == [], f"core imports in a circle: {cycles}"

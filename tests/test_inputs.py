@@ -16,14 +16,14 @@ import pytest
 from test_workflows import INPUT_ORDER, SOCKETS, WIDGETS
 
 from pixart_lowvram.cli import commands
-from pixart_lowvram.core import inputs, sampler, text_encoder, vae
+from pixart_lowvram.core import inputs, sampler, text_encoder, transformer, vae
 
 # Each node of a stage and the table its inputs are made from.
 STAGES = {
     "PixArtQ_T5Encode": text_encoder.INPUTS,
     "PixArtQ_Sampler": sampler.INPUTS,
     "PixArtQ_VAEDecode": vae.INPUTS,
-    "PixArtQ_ModelLoader": sampler.LOADER_INPUTS,
+    "PixArtQ_ModelLoader": transformer.LOADER_INPUTS,
 }
 SETTINGS = {
     text_encoder.EncoderSettings: text_encoder.INPUTS,
@@ -58,11 +58,15 @@ def test_optional_inputs_come_after_the_required_ones(node):
     assert optional == sorted(optional), [item.name for item in STAGES[node]]
 
 
-@pytest.mark.parametrize("settings_class", SETTINGS, ids=lambda cls: cls.__name__)
+# The transformer's settings, which the sampler's hold and the int8 Model Loader builds, with their table.
+DEFAULTS = {**SETTINGS, transformer.TransformerSettings: transformer.INPUTS}
+
+
+@pytest.mark.parametrize("settings_class", DEFAULTS, ids=lambda cls: cls.__name__)
 def test_the_settings_defaults_are_the_declarations(settings_class):
     """Each declared field is a settings field whose default is the declaration's; an optional input's is
     its widget's default (a workflow that leaves it out means that)."""
-    table = SETTINGS[settings_class]
+    table = DEFAULTS[settings_class]
     fields = {field.name: field for field in dataclasses.fields(settings_class)}
     for item in table.settings_fields:
         assert item.name in fields, item.name
@@ -120,7 +124,7 @@ def test_a_node_passes_its_inputs_through_checked():
         sampler.INPUTS.settings_values({**given, "weights": "qint8"})
     with pytest.raises(TypeError, match="unexpected input"):  # a slot is the node's own argument
         sampler.INPUTS.settings_values({**given, "latent": None})
-    assert sampler.LOADER_INPUTS.settings_values({"quantization": "qint8"}) == {"quantization": "qint8"}
+    assert transformer.LOADER_INPUTS.settings_values({"quantization": "qint8"}) == {"quantization": "qint8"}
 
 
 @pytest.mark.parametrize("settings_class", SETTINGS, ids=lambda cls: cls.__name__)

@@ -28,7 +28,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def quantized(tiny):
-    return quantized_transformer(sampler.SamplerSettings(tiny, quantization="qint8", **FP32))
+    return quantized_transformer(sampler.SamplerSettings(tiny, quantization="qint8", **FP32).transformer)
 
 
 def lora_file(tiny_folder, tmp_path, form="peft", seed=0, **kwargs):

@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 
 from pixart_lowvram.core import models
 from pixart_lowvram.core.models import (
-    BORROWED,
     COMPONENTS,
     CONFIG_FILES,
     HUB_1024,
     HUB_IDS,
+    SHARED_PARTS,
     WEIGHTED,
     ModelSource,
     resolve_model,
@@ -84,14 +84,14 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_an_incomplete_copy_does_not_borrow_from_a_folder_deeper_down(tiny_folder, tmp_path, no_loading):
     work = tmp_path / "work"
-    model = linked_copy(tiny_folder, work / "tiny-transformer-only", without=BORROWED)
+    model = linked_copy(tiny_folder, work / "tiny-transformer-only", without=SHARED_PARTS)
     leftover = linked_copy(tiny_folder, work / "leftover-test" / "run-3" / "tiny")
     other_root = tmp_path / "diffusers"
     linked_copy(tiny_folder, other_root / "sigma-1024")
 
     source = resolve_model(str(model), [other_root])
-    assert source.lender is None
-    assert source.borrowed() == {} and source.borrowing_note() is None
+    assert source.base is None
+    assert source.shared_parts() == {} and source.shared_parts_note() is None
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -115,7 +115,7 @@ def test_nothing_below_a_sibling_or_under_another_root_lends(tmp_path):
     minimal(other_root / "sigma-1024")  # in another of the model folders
     minimal(tmp_path / "sigma-1024")  # beside the model folders
     source = resolve_model("sigma-2k", [root, other_root])
-    assert source.lender is None
+    assert source.base is None
     with pytest.raises(FileNotFoundError, match=BORROW_RULE) as error:
         source.check_complete()
     assert "group" not in str(error.value) and str(other_root) not in str(error.value)
@@ -126,13 +126,13 @@ def test_nothing_below_a_sibling_or_under_another_root_lends(tmp_path):
 
 def test_a_complete_sibling_lends_a_transformer_only_folder_all_three(tmp_path):
     root = tmp_path / "diffusers"
-    lender = minimal(root / "sigma-1024").resolve()
+    base = minimal(root / "sigma-1024").resolve()
     part = minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)
     source = resolve_model("sigma-2k", [root])
-    assert source.lender is not None and source.lender.path == lender
-    assert source.borrowed() == dict.fromkeys(BORROWED, lender)
+    assert source.base is not None and source.base.path == base
+    assert source.shared_parts() == dict.fromkeys(SHARED_PARTS, base)
     assert source.folder(["transformer"]) == part.resolve()
-    assert source.folder(["text_encoder"]) == source.folder(["tokenizer"]) == source.folder(["vae"]) == lender
+    assert source.folder(["text_encoder"]) == source.folder(["tokenizer"]) == source.folder(["vae"]) == base
     source.check_complete()
 
 
@@ -147,9 +147,9 @@ def test_a_folder_with_some_of_the_parts_is_damaged_and_borrows_nothing(tmp_path
     folder = minimal(root / "damaged", ("transformer", "scheduler", *has))
     with caplog.at_level(logging.WARNING):
         source = resolve_model("damaged", [root])
-    assert source.lender is None and source.borrowed() == {} and source.borrowing_note() is None
+    assert source.base is None and source.shared_parts() == {} and source.shared_parts_note() is None
     assert not caplog.records
-    lacking = [component for component in BORROWED if component not in has]
+    lacking = [component for component in SHARED_PARTS if component not in has]
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -168,14 +168,14 @@ def test_a_1024_sibling_comes_first_then_the_name(tmp_path):
     minimal(root / "b-sigma-1024")
     minimal(root / "c-sigma-1024")
     minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)
-    assert resolve_model("sigma-2k", [root]).lender.path == (root / "b-sigma-1024").resolve()
+    assert resolve_model("sigma-2k", [root]).base.path == (root / "b-sigma-1024").resolve()
 
 
 @pytest.mark.parametrize(
     ("borrower", "sibling", "lends"),
     [
         (SIGMA, SIGMA, True),
-        (None, SIGMA, True),  # a model_index.json without a class: a PixArt-Σ lender
+        (None, SIGMA, True),  # a model_index.json without a class: a PixArt-Σ base
         (SIGMA, "PixArtAlphaPipeline", False),
         (None, "PixArtAlphaPipeline", False),
         (SIGMA, None, False),
@@ -188,7 +188,7 @@ def test_only_a_sibling_of_the_same_family_lends(tmp_path, borrower, sibling, le
     minimal(root / "other", class_name=sibling)
     minimal(root / "sigma-2k", ("transformer", "scheduler"), class_name=borrower)
     source = resolve_model("sigma-2k", [root])
-    assert (source.lender is not None) == lends
+    assert (source.base is not None) == lends
     if lends:
         source.check_complete()
         return
@@ -205,7 +205,7 @@ def test_an_incomplete_sibling_does_not_lend_and_is_named(tmp_path):
     (broken / "vae" / "config.json").unlink()
     minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)
     source = resolve_model("sigma-2k", [root])
-    assert source.lender is None
+    assert source.base is None
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -232,7 +232,7 @@ def test_a_damaged_copy_of_the_tiny_model_beside_a_broken_one_is_refused_with_th
         original[: len(original) // 2]
     )
     source = resolve_model(str(novae))
-    assert source.lender is None and source.borrowing_note() is None
+    assert source.base is None and source.shared_parts_note() is None
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -244,7 +244,7 @@ def test_a_damaged_copy_of_the_tiny_model_beside_a_broken_one_is_refused_with_th
         tiny_folder, work / "tiny-2k", without=("tokenizer", "text_encoder", "vae")
     )
     source = resolve_model(str(transformer_only))
-    assert source.lender is None
+    assert source.base is None
     with pytest.raises(FileNotFoundError, match=BORROW_RULE) as error:
         source.check_complete()
     weights = corrupt.resolve() / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -259,10 +259,10 @@ def test_a_damaged_copy_of_the_tiny_model_beside_a_broken_one_is_refused_with_th
 @pytest.mark.parametrize("component", ["transformer", "scheduler"])
 def test_a_missing_transformer_or_scheduler_is_found_before_anything_loads(tmp_path, no_loading, component):
     root = tmp_path / "diffusers"
-    minimal(root / "sigma-1024")  # a lender for T5, tokenizer and VAE, which cannot lend the others
+    minimal(root / "sigma-1024")  # a base for T5, tokenizer and VAE, which cannot lend the others
     folder = minimal(root / "half", tuple(c for c in ("transformer", "scheduler") if c != component))
     source = resolve_model("half", [root])
-    assert set(source.borrowed()) == set(BORROWED)
+    assert set(source.shared_parts()) == set(SHARED_PARTS)
     with pytest.raises(FileNotFoundError) as error:
         source.check_complete()
     message = str(error.value)
@@ -329,12 +329,12 @@ def test_a_damaged_part_is_named(tmp_path, no_loading, damage, error, parts):
 
 @pytest.mark.parametrize("part", ["vae", "transformer"])
 def test_a_sibling_that_fails_its_own_check_lends_nothing(tmp_path, no_loading, part):
-    """Even a part the borrower does not take (its transformer) makes the sibling no lender."""
+    """Even a part the borrower does not take (its transformer) makes the sibling no base."""
     root = tmp_path / "diffusers"
     broken = minimal(root / "sigma-1024")
     (broken / part / "diffusion_pytorch_model.safetensors").unlink()
     source = resolve_model(str(minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)))
-    assert source.lender is None
+    assert source.base is None
     source.check_complete(["transformer", "scheduler"])
     with pytest.raises(FileNotFoundError, match=BORROW_RULE) as error:
         source.check_complete()
@@ -343,26 +343,26 @@ def test_a_sibling_that_fails_its_own_check_lends_nothing(tmp_path, no_loading, 
 
 
 def test_a_lent_part_is_checked_where_it_is_used(tmp_path, no_loading):
-    """A lender damaged after the model was resolved: the check names the lent part and its folder."""
+    """A base damaged after the model was resolved: the check names the lent part and its folder."""
     root = tmp_path / "diffusers"
-    lender = minimal(root / "sigma-1024")
+    base = minimal(root / "sigma-1024")
     source = resolve_model(str(minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)))
-    assert source.lender is not None
-    (lender / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    assert source.base is not None
+    (base / "vae" / "diffusion_pytorch_model.safetensors").unlink()
     source.check_complete(["tokenizer", "text_encoder", "transformer", "scheduler"])
     with pytest.raises(FileNotFoundError, match=r"no \.safetensors weights") as error:
         source.check_complete()
-    assert str(lender.resolve() / "vae") in str(error.value)
+    assert str(base.resolve() / "vae") in str(error.value)
 
 
 def test_a_hub_id_is_not_checked_and_nothing_downloads(no_loading):
     for hub_id in HUB_IDS:
         source = resolve_model(hub_id)
         source.check_complete()
-        assert source.borrowed() == {}
-    assert resolve_model(HUB_1024).borrowing_note() is None
-    note = resolve_model(HUB_IDS[2]).borrowing_note()
-    assert note is not None and HUB_1024 in note and all(f"{c}/" in note for c in BORROWED)
+        assert source.shared_parts() == {}
+    assert resolve_model(HUB_1024).shared_parts_note() is None
+    note = resolve_model(HUB_IDS[2]).shared_parts_note()
+    assert note is not None and HUB_1024 in note and all(f"{c}/" in note for c in SHARED_PARTS)
 
 
 def test_a_source_made_without_resolve_model_still_says_what_is_beside_it(tmp_path):
@@ -378,13 +378,13 @@ def test_a_source_made_without_resolve_model_still_says_what_is_beside_it(tmp_pa
 
 def test_the_borrowing_is_logged_as_a_warning_once(tmp_path, caplog):
     root = tmp_path / "diffusers"
-    lender = minimal(root / "sigma-1024").resolve()
+    base = minimal(root / "sigma-1024").resolve()
     minimal(root / "sigma-2k", ("transformer", "scheduler"), sample_size=256)
     with caplog.at_level(logging.WARNING):
         source = resolve_model("sigma-2k", [root])
         resolve_model("sigma-1024", [root])  # complete: nothing to say
     records = [r for r in caplog.records if r.name == models.logger.name]
-    assert [(r.levelno, r.getMessage()) for r in records] == [(logging.WARNING, source.borrowing_note())]
+    assert [(r.levelno, r.getMessage()) for r in records] == [(logging.WARNING, source.shared_parts_note())]
     assert records[0].getMessage() == (
-        f"model 'sigma-2k' has no tokenizer/, text_encoder/, vae/: they come from {lender}"
+        f"model 'sigma-2k' has no tokenizer/, text_encoder/, vae/: they come from {base}"
     )

@@ -199,8 +199,8 @@ def test_a_transformer_only_folder_borrows_t5_tokenizer_and_vae(tiny, tiny_folde
     shutil.copytree(tiny_folder, root / "sigma-1024")
     transformer_only(tiny_folder, root / "sigma-2k")
     source = resolve_model("sigma-2k", [root])
-    assert source.lender is not None and source.lender.path == (root / "sigma-1024").resolve()
-    assert source.folder(["vae"]) == source.lender.path
+    assert source.base is not None and source.base.path == (root / "sigma-1024").resolve()
+    assert source.folder(["vae"]) == source.base.path
     assert source.folder(["transformer", "scheduler"]) == source.path
     source.check_complete()  # the lent parts included
     embeds = text_encoder.encode(
@@ -231,15 +231,15 @@ def test_the_1024_folder_is_lent_first(tiny_folder, tmp_path):
     complete_stub(root / "a-sigma-512", 64)
     complete_stub(root / "z-sigma-1024", 128)
     transformer_only(tiny_folder, root / "sigma-2k", sample_size=256)
-    assert resolve_model("sigma-2k", [root]).lender.path == (root / "z-sigma-1024").resolve()
-    assert resolve_model("z-sigma-1024", [root]).lender is None
+    assert resolve_model("sigma-2k", [root]).base.path == (root / "z-sigma-1024").resolve()
+    assert resolve_model("z-sigma-1024", [root]).base is None
 
 
 def test_no_folder_to_borrow_from_says_so(tiny_folder, reference, tmp_path, load_spy):
     root = tmp_path / "diffusers"
     transformer_only(tiny_folder, root / "sigma-2k")
     source = resolve_model("sigma-2k", [root])
-    assert source.lender is None
+    assert source.base is None
     with pytest.raises(FileNotFoundError, match="borrows them from a complete PixArt-Σ 1024 folder") as error:
         text_encoder.encode(text_encoder.EncoderSettings(source, **FP32), reference.prompt)
     assert str(root) in str(error.value)
@@ -248,5 +248,5 @@ def test_no_folder_to_borrow_from_says_so(tiny_folder, reference, tmp_path, load
 
 def test_the_2k_and_512_hub_models_borrow_from_the_1024_one():
     for hub_id in HUB_IDS:
-        lender = resolve_model(hub_id).lender
-        assert (lender.hub_id if lender else None) == (None if hub_id == HUB_1024 else HUB_1024)
+        base = resolve_model(hub_id).base
+        assert (base.hub_id if base else None) == (None if hub_id == HUB_1024 else HUB_1024)

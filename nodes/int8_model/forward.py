@@ -17,7 +17,7 @@ v (and the cross-attention's k and v) are ComfyUI's fused projections, which dif
 processor takes as they are. Nothing is copied but the blocks' small modulation tables, cast to the run's
 dtype. The position embedding is diffusers' with ComfyUI's base size for the image
 (``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes. Its
-attention runs in torch's own backend order for the GPU (:func:`~..core.devices.attention_order`), which
+attention runs in torch's own backend order for the GPU (:func:`~...core.devices.attention_order`), which
 any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first — but
 for the cross-attention, whose keys are the prompt's own tokens (:class:`Processor`).
 
@@ -33,8 +33,8 @@ import weakref
 import comfy.utils
 import torch
 
-from ..core.devices import attention_order, cross_attention_order
-from ..core.transformer import empty
+from ...core.devices import attention_order, cross_attention_order
+from ...core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
 # diffusers' fused attention.
@@ -188,7 +188,7 @@ class Processor:
     (``inspect.signature``, about 20 µs on a CPU core; 1,120 calls in a 20-step prompt, 56 a step); this
     processor's signature is computed once (``__signature__``, which ``inspect`` returns as it is).
 
-    A cross-attention runs FlashAttention first (:func:`~..core.devices.cross_attention_order`). ComfyUI's
+    A cross-attention runs FlashAttention first (:func:`~...core.devices.cross_attention_order`). ComfyUI's
     conditioning is as long as its prompt, so nearly every new prompt is a new key length, and cuDNN's
     kernel, first in the self-attention's order on Hopper, builds an execution plan for every shape it has
     not met (37-41 and 67 ms at PixArt-Σ's shapes on two H200s); FlashAttention builds none. The
