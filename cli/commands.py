@@ -152,7 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NODE.INPUT=VALUE",
-        help="set a node's input, typed as its current value (e.g. 2.steps=30); repeatable",
+        help="set a node's input, typed as its current value (e.g. 2.steps=30), after --model and --size; "
+        "repeatable",
+    )
+    q.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the model of every node that names one, as the server lists it (e.g. a folder in "
+        "models/diffusers)",
+    )
+    q.add_argument(
+        "--size",
+        default=None,
+        metavar="WxH",
+        help="the width and height in pixels of every node that has them, e.g. 768x1344 (the sampler's "
+        "resolution becomes custom)",
     )
     q.add_argument("--prompt", default=None, help="the prompt of every PixArtQ_T5Encode node")
     q.add_argument("--seed", type=int, default=None, help="every seed input")
@@ -166,8 +181,14 @@ def queue_workflow(args: argparse.Namespace) -> None:
     # Imported here: the HTTP and websocket libraries are needed by this command alone.
     from . import client
 
+    size = None if args.size is None else client.parse_size(args.size)
     workflow = client.apply_overrides(
-        client.load_workflow(args.workflow), args.sets, prompt=args.prompt, seed=args.seed
+        client.load_workflow(args.workflow),
+        args.sets,
+        prompt=args.prompt,
+        seed=args.seed,
+        model=args.model,
+        size=size,
     )
     server = args.server or client.DEFAULT_SERVER
     outcomes = client.queue(workflow, server, args.count, args.out, args.timeout)
