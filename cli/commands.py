@@ -356,11 +356,6 @@ def main(argv: list[str] | None = None) -> None:
     # matplotlib (the memory timeline) keeps its font cache and config under the pack's home folder, not
     # in ~/.cache and ~/.config; a folder the user names for it is kept.
     os.environ.setdefault("MPLCONFIGDIR", str(folders.home() / "matplotlib"))
-    if not args.verbose:
-        # transformers' "Loading weights" and "Writing model shards" bars; -v shows them.
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
     quiet_optional_kernel_notice()
     measure.prefer_expandable_segments()  # before CUDA's first allocation
     if args.command == "queue":
