@@ -177,12 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def queue_workflow(args: argparse.Namespace) -> None:
+def queued_workflow(args: argparse.Namespace) -> dict:
+    """The workflow ``queue`` sends: the file with --model, --size, --set, --prompt and --seed applied."""
     # Imported here: the HTTP and websocket libraries are needed by this command alone.
     from . import client
 
     size = None if args.size is None else client.parse_size(args.size)
-    workflow = client.apply_overrides(
+    return client.apply_overrides(
         client.load_workflow(args.workflow),
         args.sets,
         prompt=args.prompt,
@@ -190,6 +191,12 @@ def queue_workflow(args: argparse.Namespace) -> None:
         model=args.model,
         size=size,
     )
+
+
+def queue_workflow(args: argparse.Namespace) -> None:
+    from . import client
+
+    workflow = queued_workflow(args)
     server = args.server or client.DEFAULT_SERVER
     outcomes = client.queue(workflow, server, args.count, args.out, args.timeout)
     for outcome in outcomes:
