@@ -9,7 +9,8 @@ ComfyUI writes the history entry between ``execution_success`` (or an error) and
 ComfyUI (0.8) takes the ``prompt_id`` of a POST /prompt as given and does not refuse one it has
 already queued or run: a second POST with the same id queues the job again (and overwrites its
 history entry). So a submit that failed on the connection is retried with the same id only after
-``/queue`` and ``/history`` show that id unknown to the server.
+``/queue`` and ``/history`` show that id unknown to the server. From about 0.38 it refuses an id that is
+not a canonical UUID: the ids made here are (``str(uuid.uuid4())``), and one given is checked first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -50,6 +52,8 @@ ENDED = ("execution_success", "execution_error", "execution_interrupted")
 # every ComfyUI sends it to the prompt's client) before reading /history anyway.
 CLOSING_GRACE = 1.0
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+SIZE = re.compile(r"(\d+)\s*[x×]\s*(\d+)", re.IGNORECASE)  # --size WxH
+CUSTOM_SIZE = "custom"  # the sampler's resolution choice that takes its width and height
 
 
 class ClientError(RuntimeError):
@@ -128,6 +132,53 @@ def set_input(workflow: dict, assignment: str) -> None:
     inputs[name] = _convert(text, inputs[name], where)
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """``--size WxH`` as (width, height) in pixels."""
+    match = SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ClientError(f"--size {text!r}: expected WIDTHxHEIGHT in pixels, e.g. 768x1344")
+    width, height = int(match.group(1)), int(match.group(2))
+    if not width or not height:
+        raise ClientError(f"--size {text!r}: width and height must be above 0, e.g. 768x1344")
+    return width, height
+
+
+def _widget(inputs: dict, name: str, kind: type) -> bool:
+    """Whether ``inputs[name]`` is a widget value of ``kind`` (not a link, not missing)."""
+    value = inputs.get(name)
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def set_model(workflow: dict, model: str) -> None:
+    """``--model``: every ``model`` input that is a widget value (a name, not a link) set to ``model``."""
+    nodes = [node for node in workflow.values() if _widget(node.get("inputs", {}), "model", str)]
+    if not nodes:
+        raise ClientError(
+            "--model: the workflow has no node with a model name (a model input that is not a link)"
+        )
+    for node in nodes:
+        node["inputs"]["model"] = model
+
+
+def set_size(workflow: dict, width: int, height: int) -> None:
+    """``--size``: the width and height of every node that has both as numbers; a node with a ``resolution``
+    choice (the sampler) gets ``custom``, the choice that takes them."""
+    nodes = [
+        node
+        for node in workflow.values()
+        if _widget(node.get("inputs", {}), "width", int) and _widget(node.get("inputs", {}), "height", int)
+    ]
+    if not nodes:
+        raise ClientError(
+            "--size: the workflow has no node with width and height inputs (numbers, not links)"
+        )
+    for node in nodes:
+        inputs = node["inputs"]
+        inputs["width"], inputs["height"] = width, height
+        if _widget(inputs, "resolution", str):
+            inputs["resolution"] = CUSTOM_SIZE
+
+
 def seed_inputs(workflow: dict) -> list[tuple[str, str]]:
     """(node id, input name) of every ``seed`` input that holds a number (not a link)."""
     return [
@@ -143,9 +194,16 @@ def apply_overrides(
     sets: Iterable[str] = (),
     prompt: str | None = None,
     seed: int | None = None,
+    model: str | None = None,
+    size: tuple[int, int] | None = None,
 ) -> dict:
-    """A copy of ``workflow`` with ``--set`` assignments, ``--prompt`` and ``--seed`` applied."""
+    """A copy of ``workflow`` with ``--model`` and ``--size``, then the ``--set`` assignments (which so
+    override them on one node), ``--prompt`` and ``--seed`` applied."""
     workflow = copy.deepcopy(workflow)
+    if model is not None:
+        set_model(workflow, model)
+    if size is not None:
+        set_size(workflow, *size)
     for assignment in sets:
         set_input(workflow, assignment)
     if prompt is not None:
@@ -251,6 +309,8 @@ class Client:
 
     def check(self, workflow: dict) -> None:
         problems = check_workflow(workflow, self.get("/object_info"))
+        if any(" input 'model': " in problem for problem in problems):
+            problems.append("(--model NAME sets the model of every node that names one)")
         if problems:
             raise ClientError(
                 f"the workflow cannot run on {self.url}:\n" + "\n".join(f"  {p}" for p in problems)
@@ -408,7 +468,7 @@ class Client:
     ) -> Outcome:
         """Submit one prompt (as ``prompt_id``, or a new id), follow it (:meth:`wait`) and download its images
         into ``out``; a prompt that did not succeed raises with the server's account of it."""
-        prompt_id = prompt_id or str(uuid.uuid4())
+        prompt_id = check_prompt_id(prompt_id) if prompt_id else new_prompt_id()
         self.submit(prompt, prompt_id)
         entry = self.wait(ws, prompt_id, timeout, label, on_message)
         status = entry.get("status") or {}
@@ -436,6 +496,25 @@ class Client:
                 path.write_bytes(response.content)
                 files.append(path)
         return files
+
+
+def new_prompt_id() -> str:
+    """A prompt id as every ComfyUI takes it: a canonical UUID (lowercase, hyphenated)."""
+    return str(uuid.uuid4())
+
+
+def check_prompt_id(prompt_id: str) -> str:
+    """``prompt_id`` if it is a canonical UUID; ComfyUI refuses any other since about 0.38."""
+    try:
+        canonical = str(uuid.UUID(prompt_id))
+    except (ValueError, TypeError, AttributeError):
+        canonical = None
+    if canonical != prompt_id:
+        raise ClientError(
+            f"prompt id {prompt_id!r} is not a canonical UUID, which ComfyUI's /prompt requires: give one as "
+            f"str(uuid.uuid4()) writes it, e.g. {new_prompt_id()}"
+        )
+    return prompt_id
 
 
 def refusal_text(response: requests.Response) -> str:

@@ -152,7 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NODE.INPUT=VALUE",
-        help="set a node's input, typed as its current value (e.g. 2.steps=30); repeatable",
+        help="set a node's input, typed as its current value (e.g. 2.steps=30), after --model and --size; "
+        "repeatable",
+    )
+    q.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="the model of every node that names one, as the server lists it (e.g. a folder in "
+        "models/diffusers)",
+    )
+    q.add_argument(
+        "--size",
+        default=None,
+        metavar="WxH",
+        help="the width and height in pixels of every node that has them, e.g. 768x1344 (the sampler's "
+        "resolution becomes custom)",
     )
     q.add_argument("--prompt", default=None, help="the prompt of every PixArtQ_T5Encode node")
     q.add_argument("--seed", type=int, default=None, help="every seed input")
@@ -162,13 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def queue_workflow(args: argparse.Namespace) -> None:
+def queued_workflow(args: argparse.Namespace) -> dict:
+    """The workflow ``queue`` sends: the file with --model, --size, --set, --prompt and --seed applied."""
     # Imported here: the HTTP and websocket libraries are needed by this command alone.
     from . import client
 
-    workflow = client.apply_overrides(
-        client.load_workflow(args.workflow), args.sets, prompt=args.prompt, seed=args.seed
+    size = None if args.size is None else client.parse_size(args.size)
+    return client.apply_overrides(
+        client.load_workflow(args.workflow),
+        args.sets,
+        prompt=args.prompt,
+        seed=args.seed,
+        model=args.model,
+        size=size,
     )
+
+
+def queue_workflow(args: argparse.Namespace) -> None:
+    from . import client
+
+    workflow = queued_workflow(args)
     server = args.server or client.DEFAULT_SERVER
     outcomes = client.queue(workflow, server, args.count, args.out, args.timeout)
     for outcome in outcomes:
@@ -335,11 +363,6 @@ def main(argv: list[str] | None = None) -> None:
     # matplotlib (the memory timeline) keeps its font cache and config under the pack's home folder, not
     # in ~/.cache and ~/.config; a folder the user names for it is kept.
     os.environ.setdefault("MPLCONFIGDIR", str(folders.home() / "matplotlib"))
-    if not args.verbose:
-        # transformers' "Loading weights" and "Writing model shards" bars; -v shows them.
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
     quiet_optional_kernel_notice()
     measure.prefer_expandable_segments()  # before CUDA's first allocation
     if args.command == "queue":

@@ -16,6 +16,7 @@ import torch
 
 from ..core.models import MODEL_INDEX
 from ..core.single_files import CAPTION_TOKENS, original_key_map
+from ..core.text_encoder import quiet_progress_bars
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,8 @@ def build_random_pixart(
     )
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     try:
-        pipe.save_pretrained(staging, safe_serialization=True)
+        with quiet_progress_bars():
+            pipe.save_pretrained(staging, safe_serialization=True)
         if folder.exists():
             shutil.rmtree(folder)
         staging.rename(folder)

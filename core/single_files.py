@@ -252,6 +252,10 @@ _ORIGINAL_BLOCK = {
 # length ComfyUI reads) and, in fixed-size models, the position embedding diffusers computes itself.
 _ORIGINAL_ONLY = ("y_embedder.y_embedding", "pos_embed")
 _ALPHA_KEYS = ("ar_embedder.mlp.0.weight", "adaln_single.emb.aspect_ratio_embedder.linear_1.weight")
+# A checkpoint ComfyUI 0.38 saved may carry an attention setting per attention layer (its ComfyAttention
+# module's state: a JSON text as bytes, e.g. {"attention": "comfy_kitchen_int8"}). They are settings of
+# ComfyUI's attention, not weights; the pack runs its own attention and leaves them out.
+ATTENTION_SETTING = ".comfy_attention.config"
 # ComfyUI's full checkpoints keep the transformer under a prefix.
 _PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")
 
@@ -293,7 +297,7 @@ class TransformerFile:
         with safe_open(self.path, framework="pt") as f:
             if self.layout == "diffusers":
                 return {key.removeprefix(self.prefix): f.get_tensor(key) for key in f.keys()  # noqa: SIM118
-                        if key.startswith(self.prefix)}  # fmt: skip
+                        if key.startswith(self.prefix) and not key.endswith(ATTENTION_SETTING)}  # fmt: skip
             state = {}
             for original, targets in original_key_map(self.config["num_layers"]).items():
                 tensor = f.get_tensor(self.prefix + original)
@@ -333,6 +337,16 @@ def _infer_transformer(
         )
     prefix, layout = found[0]
     keys = {key.removeprefix(prefix) for key in shapes if key.startswith(prefix)}
+    settings = {key for key in keys if key.endswith(ATTENTION_SETTING)}
+    if settings:
+        logger.info(
+            "%s: leaving out %d per-layer attention settings of ComfyUI's (%s…): the sampler runs its own "
+            "attention",
+            name,
+            len(settings),
+            min(settings),
+        )
+        keys -= settings
     if any(key in keys for key in _ALPHA_KEYS):
         raise ValueError(
             f"transformer_file {name!r} is a PixArt-α transformer (it has size and aspect-ratio embedders); this "

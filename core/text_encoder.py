@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,33 @@ def _origin(settings: EncoderSettings) -> Path:
     return settings.weights.folder(["text_encoder"]) / "text_encoder"
 
 
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block ("Loading weights" as T5 loads, "Writing model shards"
+    as it is saved pre-quantized): in ComfyUI's log they are lines of noise each prompt, on the command line
+    they break its one line a step. transformers' own switch, which turns huggingface_hub's bars off and on
+    with it; both are as they were afterwards (hub's per-group settings aside, which its switch clears). A
+    hub download happens before, with its bars."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    shown, hub_shown = transformers_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    with warnings.catch_warnings():  # hub's note that HF_HUB_DISABLE_PROGRESS_BARS=0 overrides the switch
+        warnings.simplefilter("ignore")
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if shown:
+                transformers_logging.enable_progress_bar()
+            if hub_shown and are_progress_bars_disabled():
+                enable_progress_bars()
+            elif not hub_shown and not are_progress_bars_disabled():
+                disable_progress_bars()
+
+
 def _load(settings: EncoderSettings):
     """T5 from a model's text_encoder/ folder or from a single file, quantized (through the cache).
     With ``low_vram`` it is loaded (and quantized) into CPU memory and its layers are streamed to the
@@ -216,15 +244,16 @@ def _load(settings: EncoderSettings):
     def quantize():
         return scheme.after_load(from_pretrained(**pretrained(), **scheme.load_kwargs(dtype)))
 
-    if settings.quant_cache is None or not scheme.quantized:
-        model = quantize()
-    else:
-        model = quant_cache.load_or_build(
-            quant_cache.entry(settings.quant_cache, "text_encoder", origin, recipe),
-            load=from_pretrained,  # the saved config carries the quantization
-            build=quantize,
-            save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
-        )
+    with quiet_progress_bars():
+        if settings.quant_cache is None or not scheme.quantized:
+            model = quantize()
+        else:
+            model = quant_cache.load_or_build(
+                quant_cache.entry(settings.quant_cache, "text_encoder", origin, recipe),
+                load=from_pretrained,  # the saved config carries the quantization
+                build=quantize,
+                save=lambda model, path: model.save_pretrained(path, safe_serialization=True),
+            )
     encoder = model.encoder
     if settings.low_vram:
         streaming.stream_blocks(

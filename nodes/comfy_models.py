@@ -64,20 +64,27 @@ class _Holder(torch.nn.Module):
 
 
 class PackModelPatcher(comfy.model_patcher.ModelPatcher):
-    """A pack model that ComfyUI places, offloads and unloads like its own, always whole."""
+    """A pack model that ComfyUI places, offloads and unloads like its own, always whole. Made by
+    :meth:`holding`; its constructor is ComfyUI's own, untouched, since ComfyUI's ``clone()`` calls it with
+    whatever arguments the version has (0.38 adds ``fast_disk``)."""
 
-    def __init__(
-        self, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
-    ):
-        self.key = key  # the pack cache's key, for the log
-        # Its page-locked host copies in CPU memory, made the first time ComfyUI offloads it there: from then
-        # on a load copies them to the device and an offload drops the device copies (nothing copied back).
-        self.host_copy: streaming.HostCopy | None = None
+    key: Hashable = None  # the pack cache's key, for the log
+    # Its page-locked host copies in CPU memory, made the first time ComfyUI offloads it there: from then on a
+    # load copies them to the device and an offload drops the device copies (nothing copied back).
+    host_copy: streaming.HostCopy | None = None
+
+    @classmethod
+    def holding(
+        cls, key: Hashable, model: torch.nn.Module, device: torch.device, offload_device: torch.device
+    ) -> PackModelPatcher:
+        """The patcher of ``model``, loaded on ``device`` already (straight from the files):
+        load_models_gpu registers it as it is."""
         size = max(streaming.bytes_on(model, device), 1)
         holder = _Holder(model)
-        # Loaded on ``device`` already (straight from the files): load_models_gpu registers it as it is.
         holder.device, holder.model_loaded_weight_memory = device, size
-        super().__init__(holder, load_device=device, offload_device=offload_device, size=size)
+        patcher = cls(holder, load_device=device, offload_device=offload_device, size=size)
+        patcher.key = key
+        return patcher
 
     @property
     def inner(self) -> torch.nn.Module:
@@ -131,7 +138,7 @@ class ComfyModels:
     def hold(self, key: Hashable, model: torch.nn.Module, device: torch.device) -> PackModelPatcher:
         stage = key[0] if isinstance(key, tuple) else None
         offload = OFFLOAD_DEVICES.get(stage, mm.unet_offload_device)()
-        return PackModelPatcher(key, model, device, offload)
+        return PackModelPatcher.holding(key, model, device, offload)
 
     def ready(self, patcher: PackModelPatcher, work: int) -> torch.nn.Module:
         # Registered with ComfyUI, or moved back to its device when ComfyUI offloaded it since.

@@ -288,6 +288,21 @@ def test_queue_without_a_running_comfyui_says_how_to_start_one(tmp_path, capsys)
     assert "--server" in err.split("Is ComfyUI running there?")[1]
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--size", "1024"], "error: --size '1024': expected WIDTHxHEIGHT in pixels, e.g. 768x1344"),
+        (["--size", "0x768"], "error: --size '0x768': width and height must be above 0, e.g. 768x1344"),
+    ],
+)
+def test_queue_refuses_a_bad_size_before_it_reaches_a_server(capsys, args, said):
+    from test_workflows import api_file
+
+    server = "http://127.0.0.1:1"  # never asked: the size is refused first
+    assert cli.main(["queue", str(api_file("basic")), "--server", server, "--model", "m", *args]) == 2
+    assert capsys.readouterr().err == said + "\n"
+
+
 def test_usage_lists_every_option_of_generate():
     """docs/USAGE.md's option table names each of generate's options (old names included)."""
     usage = (Path(__file__).resolve().parents[1] / "docs" / "USAGE.md").read_text(encoding="utf-8")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,87 @@ def test_set_refuses_what_it_cannot_apply(workflow, assignment, message):
     assert message in str(caught.value)
 
 
+def test_model_and_size_reach_every_node_that_has_them():
+    """--model names the model on every node with a model name, links left alone (the LoRA loader's MODEL);
+    --size sets every width and height (the sampler, core's Empty Latent Image), the sampler's resolution
+    then custom; nothing else changes."""
+    for name, width_nodes in (("basic", ["2"]), ("lora_ksampler", ["4"])):
+        workflow = client.load_workflow(API_WORKFLOW.with_name(f"pixart_lowvram_{name}_api.json"))
+        changed = apply_overrides(workflow, model="tiny-pixart", size=(768, 1344))
+        named = [key for key, node in workflow.items() if isinstance(node["inputs"].get("model"), str)]
+        assert len(named) == 3, f"{name}: T5 Encode, the sampler or model loader, VAE Decode"
+        assert [changed[key]["inputs"]["model"] for key in named] == ["tiny-pixart"] * 3
+        assert [key for key, node in changed.items() if "width" in node["inputs"]] == width_nodes
+        for key in width_nodes:
+            inputs = changed[key]["inputs"]
+            assert (inputs["width"], inputs["height"]) == (768, 1344)
+        for key, node in changed.items():
+            untouched = {k: v for k, v in node["inputs"].items() if k not in ("model", "width", "height")}
+            before = {
+                k: v for k, v in workflow[key]["inputs"].items() if k not in ("model", "width", "height")
+            }
+            assert untouched == before, f"{name} node {key}: only the model and the size change"
+        if name == "lora_ksampler":
+            assert changed["3"]["inputs"]["model"] == ["2", 0], "a linked model stays linked"
+
+
+def test_size_sets_a_preset_sampler_to_custom(workflow):
+    """A sampler on a resolution preset would ignore width and height: --size makes it take them."""
+    from pixart_lowvram.core.sampler import CUSTOM_RESOLUTION
+
+    assert client.CUSTOM_SIZE == CUSTOM_RESOLUTION
+    workflow["2"]["inputs"]["resolution"] = "1024: 1216×832 (1.46:1)"
+    assert apply_overrides(workflow, size=(512, 768))["2"]["inputs"]["resolution"] == CUSTOM_RESOLUTION
+    assert apply_overrides(workflow)["2"]["inputs"]["resolution"] == "1024: 1216×832 (1.46:1)"
+
+
+def test_set_comes_after_model_and_size(workflow):
+    changed = apply_overrides(
+        workflow, ["3.model=other", "2.width=512"], model="tiny-pixart", size=(768, 768)
+    )
+    assert [changed[key]["inputs"]["model"] for key in ("1", "2", "3")] == [
+        "tiny-pixart",
+        "tiny-pixart",
+        "other",
+    ]
+    assert (changed["2"]["inputs"]["width"], changed["2"]["inputs"]["height"]) == (512, 768)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("768x1344", (768, 1344)), ("1024X1024", (1024, 1024)), (" 512 × 640 ", (512, 640))]
+)
+def test_size_reads_width_by_height(text, size):
+    assert client.parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1024", "--size '1024': expected WIDTHxHEIGHT in pixels, e.g. 768x1344"),
+        ("1024x", "--size '1024x': expected WIDTHxHEIGHT"),
+        ("-512x512", "--size '-512x512': expected WIDTHxHEIGHT"),
+        ("512.5x512", "--size '512.5x512': expected WIDTHxHEIGHT"),
+        ("1024*768", "--size '1024*768': expected WIDTHxHEIGHT"),
+        ("0x512", "--size '0x512': width and height must be above 0"),
+    ],
+)
+def test_size_refuses_what_is_not_width_by_height(text, message):
+    with pytest.raises(ClientError) as refused:
+        client.parse_size(text)
+    assert str(refused.value).startswith(message)
+
+
+def test_model_and_size_need_a_node_to_set():
+    bare = {
+        "3": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["2", 0]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": ["9", 0], "height": 512}},
+    }
+    with pytest.raises(ClientError, match="--model: the workflow has no node with a model name"):
+        apply_overrides(bare, model="x")
+    with pytest.raises(ClientError, match="--size: the workflow has no node with width and height inputs"):
+        apply_overrides(bare, size=(512, 512))
+
+
 def test_prompt_and_seed_reach_every_matching_input(workflow):
     workflow["6"] = {"class_type": "PixArtQ_T5Encode", "inputs": {"prompt": "other", "model": MODEL}}
     workflow["7"] = {"class_type": "KSampler", "inputs": {"seed": 3}}
@@ -133,6 +215,17 @@ def test_check_names_missing_node_types_and_models(workflow):
         "(is the pack, or the pack that provides it, installed in its custom_nodes?)",
     ]
     assert "available: (none)" in check_workflow(workflow, object_info([]))[0]
+
+
+def test_a_model_the_server_lacks_points_at_model_option(workflow, monkeypatch):
+    api = client.Client("http://127.0.0.1:1")
+    monkeypatch.setattr(api, "get", lambda path: object_info(["tiny-pixart"]))
+    with pytest.raises(ClientError) as refused:
+        api.check(workflow)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "the workflow cannot run on http://127.0.0.1:1:" and len(lines) == 5
+    assert lines[-1] == "  (--model NAME sets the model of every node that names one)"
+    api.check(apply_overrides(workflow, model="tiny-pixart"))
 
 
 def test_ui_format_workflow_is_refused(tmp_path):
@@ -331,3 +424,23 @@ def test_wait_hands_on_the_closing_message_when_the_history_came_first(monkeypat
     )
     assert entry["status"]["status_str"] == "success" and reads == [1]
     assert seen == ["1", None]
+
+
+def test_prompt_ids_are_canonical_uuids(monkeypatch):
+    """ComfyUI 0.38 refuses a prompt id that is not a canonical UUID: the client makes only those, and
+    refuses another one given to it before anything is posted."""
+    posted = []
+    api = client.Client("http://127.0.0.1:1")
+    monkeypatch.setattr(api, "submit", lambda prompt, prompt_id: posted.append(prompt_id))
+    done = {"status": {"status_str": "success", "completed": True}, "outputs": {}}
+    monkeypatch.setattr(api, "wait", lambda *args, **kwargs: done)
+    for _ in range(3):
+        api.run(None, {}, Path("out"), 1.0, None)
+    assert len(set(posted)) == 3
+    assert all(str(uuid.UUID(prompt_id)) == prompt_id for prompt_id in posted)
+    given = str(uuid.uuid4())
+    assert api.run(None, {}, Path("out"), 1.0, None, prompt_id=given).prompt_id == given
+    for bad in (given.upper(), given.replace("-", ""), f"{{{given}}}", "prompt-1"):
+        with pytest.raises(ClientError, match="is not a canonical UUID, which ComfyUI's /prompt requires"):
+            api.run(None, {}, Path("out"), 1.0, None, prompt_id=bad)
+    assert len(posted) == 4, "a refused id is never posted"

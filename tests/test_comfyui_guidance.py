@@ -605,6 +605,40 @@ def test_the_pack_forward_computes_what_comfyuis_pixart_computes(comfy, pack_mod
     forward.reset()
 
 
+def test_comfyuis_attention_module_in_the_blocks_changes_nothing(comfy, tiny_folder, tmp_path_factory):
+    """ComfyUI 0.38's PixArt attention layers each hold a ``ComfyAttention`` module (the attention a
+    checkpoint's per-layer setting picks; no weights), simulated here on every attention layer of a fresh
+    MODEL: the pack's forward built over those layers computes what it computed without them, and the walks
+    over the MODEL's layers (its LoRA layers, its quantized linears) find the same ones."""
+    from pixart_lowvram.core.quant import quanto
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+
+    class ComfyAttention(torch.nn.Module):  # 0.38's, in comfy/ldm/modules/attention.py: its state only
+        def __init__(self):
+            super().__init__()
+            self.config = self.function = None
+
+    model = int8_model_of(tiny_folder, tmp_path_factory)
+    pixart = model.model.diffusion_model
+    forward = model.object_patches[pack_forward.OBJECT]
+    generator = torch.Generator().manual_seed(3)
+    x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])
+    y = torch.randn(2, 1, 12, caption_width(model), generator=generator)
+    with torch.inference_mode():
+        before = forward(x, timestep, y)
+    forward.reset()
+    linears = quanto.linear_layers(pixart)
+    for block in pixart.blocks:
+        block.attn.comfy_attention, block.cross_attn.comfy_attention = ComfyAttention(), ComfyAttention()
+    rebuilt = pack_forward.PackForward(pixart, forward.config, forward.unet_config)
+    with torch.inference_mode():
+        after = rebuilt(x, timestep, y)
+    rebuilt.reset()
+    assert torch.equal(after, before)
+    assert quanto.linear_layers(pixart) == linears
+    assert sum(isinstance(m, ComfyAttention) for m in pixart.modules()) == 2 * len(pixart.blocks)
+
+
 def test_the_position_embedding_is_made_once_a_run_as_diffusers_makes_it(comfy, pack_model, monkeypatch):
     """The MODEL's forward makes its position embedding once for a size and device (diffusers' PatchEmbed
     would make it at every step), the same bits as made at every call, and holds none after the run."""

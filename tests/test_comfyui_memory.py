@@ -321,6 +321,45 @@ def test_the_pack_models_are_comfyuis_own_loaded_models(comfy_mm):
     assert entry.model.model_size() == entry.model.loaded_size() == 256 * 257 * 4
 
 
+def test_the_pack_patcher_keeps_comfyuis_constructor_so_clone_works(comfy_mm, monkeypatch):
+    """ComfyUI's ``clone()`` makes a patcher of the same class with ComfyUI's own constructor arguments, and
+    0.38 adds one (``fast_disk``, which ``ModelPatcher.__init__`` and ``clone()`` take and pass): the pack's
+    patcher keeps ComfyUI's constructor, so a clone on this version, and one made as 0.38's clone makes it
+    (simulated: that constructor, a ``fast_disk`` keyword added), is a pack patcher of the same model."""
+    import comfy.model_patcher
+
+    from pixart_lowvram.nodes.comfy_models import PackModelPatcher
+
+    assert PackModelPatcher.__init__ is comfy.model_patcher.ModelPatcher.__init__
+    model = use("cloned")
+    (entry,) = pack_entries(comfy_mm)
+    patcher = entry.model
+    assert patcher.key == ("transformer", "cloned") and patcher.inner is model
+    clone = patcher.clone()
+    assert type(clone) is PackModelPatcher and clone.inner is model
+    assert clone.model_size() == patcher.model_size() and clone.host_copy is None
+
+    comfy_init, seen = comfy.model_patcher.ModelPatcher.__init__, []
+
+    def init_0_38(
+        self, model, load_device, offload_device, size=0, weight_inplace_update=False, fast_disk=False
+    ):
+        seen.append(fast_disk)
+        comfy_init(self, model, load_device, offload_device, size, weight_inplace_update)
+
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "__init__", init_0_38)
+    made = type(patcher)(
+        patcher.model,
+        patcher.load_device,
+        patcher.offload_device,
+        patcher.model_size(),
+        weight_inplace_update=patcher.weight_inplace_update,
+        fast_disk=True,
+    )
+    assert seen == [True] and type(made) is PackModelPatcher and made.inner is model
+    assert made.model_size() == patcher.model_size()
+
+
 def test_unload_all_models_offloads_kept_models_and_the_next_use_reloads_them(comfy_mm, caplog):
     from pixart_lowvram.core.pool import cache
 

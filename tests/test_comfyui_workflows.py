@@ -214,17 +214,13 @@ def test_ui_workflow_matches_object_info(server, path):
 
 
 def tiny_sets(path: Path, model: str = MODEL) -> list[str]:
-    """--set arguments that put a bundled API workflow on the tiny model at its native size (core's
-    KSampler: KSAMPLER_SIZE), few steps."""
-    sets = []
+    """The arguments that put a bundled API workflow on the tiny model at its native size (core's KSampler:
+    KSAMPLER_SIZE), few steps: --model and --size, as a user points a workflow at another model, and --set
+    for the steps."""
+    size = tiny_size(path)
+    sets = [f"--model={model}", f"--size={size}x{size}"]
     for key, entry in read(path).items():
-        if isinstance(entry["inputs"].get("model"), str):  # not a link to a MODEL
-            sets.append(f"--set={key}.model={model}")
-        if entry["class_type"] == "PixArtQ_Sampler":
-            sets += [f"--set={key}.width={SIZE}", f"--set={key}.height={SIZE}", f"--set={key}.steps={STEPS}"]
-        if entry["class_type"] == "EmptyLatentImage":
-            sets += [f"--set={key}.width={KSAMPLER_SIZE}", f"--set={key}.height={KSAMPLER_SIZE}"]
-        if entry["class_type"] == "KSampler":
+        if entry["class_type"] in ("PixArtQ_Sampler", "KSampler"):
             sets.append(f"--set={key}.steps={STEPS}")
     return sets
 

@@ -204,3 +204,36 @@ def test_the_cache_folder_may_be_given_as_text(tiny, tmp_path):
     settings = sampler.SamplerSettings(tiny, quant_cache=str(tmp_path), device="cpu")
     assert settings.quant_cache == tmp_path
     assert text_encoder.EncoderSettings(tiny, quant_cache=str(tmp_path)).quant_cache == tmp_path
+
+
+def test_t5_loads_and_saves_without_transformers_bars(tiny, tmp_path, capfd):
+    """transformers' "Loading weights" and "Writing model shards" bars are off while T5 is quantized, saved
+    to the cache and read back (in ComfyUI's log they were lines of noise each prompt), and its switches (and
+    huggingface_hub's) are as they were afterwards. The same load outside the stage shows its bar: this
+    capture sees one."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers import T5EncoderModel
+    from transformers.utils import logging as transformers_logging
+
+    folder = tiny.path / "text_encoder"
+    transformers_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        T5EncoderModel.from_pretrained(folder)
+        assert "Loading weights" in capfd.readouterr().err, "a bar this capture sees"
+        encode(tiny, tmp_path)  # quantized and written to the cache
+        encode(tiny, tmp_path)  # read back from it
+        assert len(quant_cache.entries(tmp_path)) == 1
+        err = capfd.readouterr().err
+        assert "Loading weights" not in err and "Writing model shards" not in err, err[-2000:]
+        assert transformers_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+        disable_progress_bars()  # huggingface_hub's off alone: it stays off, transformers' stays on
+        with text_encoder.quiet_progress_bars():
+            assert not transformers_logging.is_progress_bar_enabled()
+        assert transformers_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+        transformers_logging.disable_progress_bar()  # both off: both stay off
+        with text_encoder.quiet_progress_bars():
+            pass
+        assert not transformers_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        transformers_logging.enable_progress_bar()

@@ -250,3 +250,31 @@ def test_the_2k_and_512_hub_models_borrow_from_the_1024_one():
     for hub_id in HUB_IDS:
         base = resolve_model(hub_id).base
         assert (base.hub_id if base else None) == (None if hub_id == HUB_1024 else HUB_1024)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_comfyuis_attention_settings_in_a_checkpoint_are_left_out(
+    original, tiny_folder, tmp_path, prefix, caplog
+):
+    """A checkpoint saved by ComfyUI 0.38 may hold, beside the weights, one attention setting per attention
+    layer (``blocks.N.attn.comfy_attention.config``, a JSON text as uint8): the file reads as the same
+    transformer, the settings left out and said so; without them the same weights and config."""
+    setting = torch.tensor(list(json.dumps({"attention": "comfy_kitchen_int8"}).encode()), dtype=torch.uint8)
+    weights = {prefix + key: tensor for key, tensor in load_file(original).items()}
+    depth = folder_config(tiny_folder)["num_layers"]
+    settings = {
+        f"{prefix}blocks.{block}.{layer}.comfy_attention.config": setting.clone()
+        for block in range(depth)
+        for layer in ("attn", "cross_attn")
+    }
+    plain, with_settings = tmp_path / "plain.safetensors", tmp_path / "with_settings.safetensors"
+    save_file(weights, plain)
+    save_file({**weights, **settings}, with_settings)
+    expected = read_transformer_file(plain, folder_config(tiny_folder))
+    with caplog.at_level("INFO", logger="pixart_lowvram.core.single_files"):
+        got = read_transformer_file(with_settings, folder_config(tiny_folder))
+    assert f"leaving out {2 * depth} per-layer attention settings of ComfyUI's" in caplog.text
+    assert (got.config, got.layout, got.prefix) == (expected.config, expected.layout, expected.prefix)
+    state, expected_state = got.state_dict(), expected.state_dict()
+    assert state.keys() == expected_state.keys()
+    assert all(torch.equal(state[key], expected_state[key]) for key in state)

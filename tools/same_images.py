@@ -365,7 +365,7 @@ def run_side(
         for name, path in workflows.items():
             # The command line the comfyui tier gives ``queue``, read by the command line's own parser.
             line = commands.build_parser().parse_args(["queue", str(path), *tiny_sets(path)])
-            workflow = client.apply_overrides(client.load_workflow(path), line.sets, line.prompt, line.seed)
+            workflow = commands.queued_workflow(line)
             missing = sorted({node["class_type"] for node in workflow.values()} - node_types)
             if missing:
                 outcome.skipped[name] = f"the server has no node type {', '.join(missing)}"
