@@ -15,9 +15,12 @@ integers are exact up to 16 in e4m3 and within 1/16 of their value above, with t
 The activation's quantization is an absmax over each row and a division, which pays only when it runs
 inside the kernel that made the activation (the norm and modulation before the attention's and
 feed-forward's inputs, the GELU before the second feed-forward layer): run by themselves they cost more
-than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the 8-bit paths run
-their blocks compiled (``torch.compile``) on a GPU, where inductor fuses the quantization into the kernel
-before it. On the CPU they run eager (the same arithmetic, unfused): a compile there takes minutes.
+than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the blocks' forward
+quantizes those inputs in one pass with the op before (:mod:`.block`, :mod:`.fused_kernels`: Triton
+kernels on CUDA, the float32 references of :mod:`.fused` elsewhere), and hands them to :func:`product`;
+a layer called with a tensor quantizes it here (:func:`quantize_rows`). On a GPU the blocks run compiled
+(``torch.compile``: inductor fuses the rest of the block, and the quantization :func:`quantize_rows` does);
+on the CPU they run eager (a compile there takes minutes).
 
 Only the layers of the transformer's blocks compute in 8 bits: their rows are the image's tokens (4096 at
 1024²) or the caption's. The embeddings, the time conditioning, the caption projection and ``proj_out``

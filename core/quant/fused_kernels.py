@@ -6,7 +6,8 @@ write of its 8-bit form, where the unfused ops read and write it several times. 
 ``pixart_lowvram::quantize_rows``, ``pixart_lowvram::norm_modulate_quantize`` and
 ``pixart_lowvram::gelu_quantize`` run the kernel on CUDA when Triton imports, the eager reference of
 :mod:`.fused` otherwise; ``torch.compile`` takes them as opaque calls (``register_fake`` gives their
-shapes), so inductor neither traces nor re-fuses them.
+shapes), so inductor neither traces nor re-fuses them. (``torch.library.triton_op``, which inductor would
+trace into, failed to compile the fp8 cast on an H100.)
 
 Rounding matches the references: int8 rounds half to even by adding and subtracting ``1.5 × 2²³`` in
 float32 (the sum's last place is 1), and e4m3 rounds to nearest even the same way with ``1.5 × 2²⁰`` times
