@@ -30,6 +30,7 @@ of compiled fp16 + fast, fp8 (fast and exact accumulation) and int8 sampler runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -57,7 +58,15 @@ COMPUTE_ROWS = {
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
     "pack compute int8": {"compute": "int8"},
     "pack compute fp8": {"compute": "fp8"},
+    "pack compute int8, quantization unfused": {"compute": "int8", "unfused": True},
+    "pack compute fp8, quantization unfused": {"compute": "fp8", "unfused": True},
 }
+# The fused quantization kernels at PixArt-Σ XL's 1024² shapes with guidance: (op, input shape).
+FUSED_SHAPES = [
+    ("norm_modulate_quantize", (2, 4096, 1152)),
+    ("quantize_rows", (8192, 1152)),
+    ("gelu_quantize", (8192, 4608)),
+]
 FIDELITY_REFERENCE = "pack compute fp16 (defaults)"
 # PixArt-Σ XL's block at 1024² with guidance: (name, in, out, rows, the op before it).
 HIDDEN, FF, TOKENS, CAPTION = 1152, 4608, 2 * 4096, 2 * 300
@@ -219,8 +228,18 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 
 
 def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
+    """A sampler row; ``"unfused": True`` in ``options`` keeps the blocks' diffusers forward (each 8-bit
+    layer quantizes its input itself, inductor fusing what it can: the path before the fused kernels)."""
     from pixart_lowvram.core import sampler, vae
     from pixart_lowvram.core.pool import cache
+
+    options = dict(options)
+    if options.pop("unfused", False):
+        with _unfused():
+            return pack_row(source, prompts, options, quant_cache, decoder) | {
+                "options": {**options, "unfused": True}
+            }
+    torch._dynamo.reset()  # each row compiles its own blocks
 
     def settings(seed):
         return sampler.SamplerSettings(
@@ -243,6 +262,40 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
         "peak_allocated": max(p for _, _, p in runs[1:]),
         "outputs": outputs,
     }
+
+
+@contextlib.contextmanager
+def _unfused():
+    from pixart_lowvram.core.quant import block
+
+    use_fused = block.use_fused
+    block.use_fused = lambda blocks, compute: 0
+    try:
+        yield
+    finally:
+        block.use_fused = use_fused
+
+
+def fused_kernels() -> list[dict]:
+    """Each fused quantization at its 1024² shape (median of 50, µs), against the same op unfused (eager
+    torch: the op, absmax, division, cast) and a copy of its input (one read and one write: the floor)."""
+    from pixart_lowvram.core.quant import fused, fused_kernels
+
+    rows = []
+    torch.manual_seed(0)
+    for op, shape in FUSED_SHAPES:
+        x = torch.randn(*shape, device="cuda", dtype=torch.float16)
+        shift = torch.randn(shape[0], 1, shape[-1], device="cuda", dtype=torch.float16) * 0.1
+        scale = torch.randn(shape[0], 1, shape[-1], device="cuda", dtype=torch.float16) * 0.1
+        args = (x, shift, scale, 1e-6) if op == "norm_modulate_quantize" else (x,)
+        row = {"op": op, "input": list(shape), "copy of the input": 1000 * median_ms(x.clone)}
+        for compute in ("int8", "fp8"):
+            kernel, eager = getattr(fused_kernels, op), getattr(fused, op)
+            row[f"{compute} fused"] = 1000 * median_ms(lambda k=kernel, c=compute, a=args: k(*a, c))
+            row[f"{compute} eager"] = 1000 * median_ms(lambda e=eager, c=compute, a=args: e(*a, c))
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
 
 
 # CUDA kernel names by what they do (cuBLAS/CUTLASS GEMMs, fp8 GEMMs, attention, inductor's fused
@@ -336,6 +389,17 @@ def markdown(result: dict) -> str:
         extra = [k for row in kernel_rows for k in row if k not in keys and k not in ("in", "out")]
         keys += list(dict.fromkeys(extra))
         lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in kernel_rows])
+        lines.append("")
+    fused_rows = parts.get("kernels", {}).get("fused", [])
+    if fused_rows:
+        lines += [
+            "## The fused quantization kernels at 1024² with guidance (µs, median of 50; fused: the pack's "
+            "Triton kernel; eager: the same op as separate torch ops; copy: one read and one write of the "
+            f"input; run {harness.run_of(result, parts['kernels'])})",
+            "",
+        ]
+        keys = list(fused_rows[0])
+        lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in fused_rows])
         lines.append("")
     sampler_rows = parts.get("sampler", {}).get("rows", {})
     if sampler_rows:
@@ -439,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         print(write())
         return 0
     if not args.skip_kernels:
-        parts["kernels"] = {"layers": kernels()}
+        parts["kernels"] = {"layers": kernels(), "fused": fused_kernels()}
         write()
     if args.kernels_only:
         print(write())

@@ -148,11 +148,13 @@ INTERPRETED = textwrap.dedent(
     import json, sys, torch
     from pixart_lowvram.core.quant import fused, fused_kernels as kernels
 
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 24, 1152, generator=generator)
     x[:, ::5, ::100] *= 30
     shift, scale = torch.randn(2, 1152, generator=generator), torch.randn(2, 1152, generator=generator) * 0.3
     hidden = torch.randn(48, 4608, generator=generator) * 2
+    x, shift, scale, hidden = (t.to(device) for t in (x, shift, scale, hidden))
     report = {}
     for path in ("int8", "fp8"):
         pairs = {
@@ -191,11 +193,22 @@ def _triton() -> bool:
 
 @pytest.mark.skipif(not _triton(), reason="Triton is not installed (the CUDA torch builds bring it)")
 def test_the_triton_kernels_under_the_interpreter_give_the_references_values(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    _kernels_give_the_references_values(tmp_path, {"TRITON_INTERPRET": "1"}, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU tier: pytest -m gpu)")
+def test_the_compiled_kernels_on_cuda_give_the_references_values(tmp_path):
+    """The same comparison with the kernels compiled for the GPU, against the references run by torch's CUDA
+    kernels (their layer norm and tanh sum and round in their own order: the same bound)."""
+    _kernels_give_the_references_values(tmp_path, {"TRITON_INTERPRET": "0"}, "cuda")
+
+
+def _kernels_give_the_references_values(tmp_path, env: dict, device: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETED],
+        [sys.executable, "-c", INTERPRETED, device],
         cwd=tmp_path,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=600,
