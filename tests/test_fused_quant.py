@@ -136,7 +136,7 @@ def test_the_custom_ops_are_the_references_off_cuda_and_pass_torchs_checks(path)
 
 
 # Runs under TRITON_INTERPRET=1 in a fresh interpreter (Triton reads it at import): each kernel on CPU
-# tensors against its reference. quantize_rows divides as the reference does (IEEE division) and rounds
+# tensors against its reference. quantize_rows multiplies by the reciprocal as the reference does and rounds
 # by the same rule, so it must give the same bits. The norm (another order of summation) and GELU (its
 # exponential) differ from the references' float32 by a few ulps, which moves a value across a rounding
 # boundary now and then: one int8 step, or one e4m3 step of the value (at most 2^-3 of it, 2^-9 × s in the

@@ -12,7 +12,8 @@ trace into, failed to compile the fp8 cast on an H100.)
 Rounding matches the references: int8 rounds half to even by adding and subtracting ``1.5 × 2²³`` in
 float32 (the sum's last place is 1), and e4m3 rounds to nearest even the same way with ``1.5 × 2²⁰`` times
 the value's power of two (e4m3 keeps 3 mantissa bits; at least ``2⁻⁶``, the step of its subnormals), so
-the cast that follows is exact. Division and square root are IEEE's (``div_rn``, ``sqrt_rn``).
+the cast that follows is exact. A row is multiplied by the reciprocal of its scale (one IEEE division a
+row, ``div_rn``, not one a value); the norm's square root is IEEE's (``sqrt_rn``).
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ def _store_rows(y, row, cols, inside, values, scales, K, FP8: tl.constexpr):
     absmax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
     if FP8:
         scale = tl.div_rn(absmax, 448.0)
-        q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -448.0), 448.0)
+        q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -448.0), 448.0)
         power = (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         rounder = tl.maximum(power, 0.015625) * 1572864.0  # 1.5 × 2²⁰ × max(2^⌊log2|q|⌋, 2⁻⁶)
         q = ((q + rounder) - rounder).to(tl.float8e4nv)
     else:
         scale = tl.div_rn(absmax, 127.0)
-        q = tl.div_rn(y, scale)
+        q = y * tl.div_rn(1.0, scale)
         q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # 1.5 × 2²³: round half to even
     tl.store(values + row * K + cols, q, mask=inside)
     tl.store(scales + row, scale)
@@ -102,7 +103,7 @@ def _launch(kernel, x: torch.Tensor, compute: str, *args) -> tuple[torch.Tensor,
     x = x.contiguous()
     values, scales = _outputs(x, compute)
     block = triton.next_power_of_2(x.shape[1])
-    warps = min(max(block // 256, 4), 16)
+    warps = 4 if block <= 2048 else 8
     kernel[(x.shape[0],)](
         x, values, scales, x.shape[1], *args, BLOCK=block, FP8=compute == FP8, num_warps=warps
     )
