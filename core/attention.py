@@ -262,7 +262,7 @@ class Chooser:
 
     def evaluate(self, kind: str, q, k, v, mask, pool: list[Candidate]) -> list[Result]:
         """Each candidate of ``pool`` run on this call: its output checked, its time measured."""
-        picked = _Slice(q, mask)
+        picked = _Slice(q)
         with sdpa_kernel(SDPBackend.MATH):
             exact = F.scaled_dot_product_attention(
                 picked.queries(q).double(),
@@ -342,7 +342,7 @@ class Chooser:
 class _Slice:
     """The part of a call the output check computes exactly (see :data:`CHECKED_QUERIES`)."""
 
-    def __init__(self, q: torch.Tensor, mask):
+    def __init__(self, q: torch.Tensor):
         batch, heads, tokens, _ = q.shape
         self.shape = (batch, heads, tokens)
         self.heads = sorted({0, heads - 1})
