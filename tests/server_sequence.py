@@ -94,6 +94,9 @@ class StepFailed(RuntimeError):
 class Settings:
     model: str  # the model's name on the server (its folder in models/diffusers)
     size: int = 512
+    # core's EmptyLatentImage before KSampler on the int8 MODEL (None: size); ComfyUI's PixArt needs 272 px
+    # or more, the tiny model's native size is 64.
+    ksampler_size: int | None = None
     steps: int = 20
     cancel_steps: int = 1000
     limit_mib: float = 64.0
@@ -113,15 +116,20 @@ def node_id(workflow: dict, class_type: str) -> str:
 
 
 def overrides(workflow: dict, settings: Settings, steps: int, keep: bool | None) -> list[str]:
-    """``NODE.INPUT=VALUE`` assignments: the model of every node that names one, the sampler's size and
-    steps, and keep_loaded everywhere when ``keep`` is given."""
+    """``NODE.INPUT=VALUE`` assignments: the model of every node that names one (not a link to a MODEL),
+    the size and steps of the pack's sampler or of core's empty latent and KSampler, and keep_loaded
+    everywhere when ``keep`` is given."""
     sets = []
     for key, node in workflow.items():
         inputs = node.get("inputs", {})
-        if "model" in inputs:
+        kind = node["class_type"]
+        if isinstance(inputs.get("model"), str):
             sets.append(f"{key}.model={settings.model}")
-        if node["class_type"] == SAMPLER:
-            sets += [f"{key}.width={settings.size}", f"{key}.height={settings.size}", f"{key}.steps={steps}"]
+        if kind in (SAMPLER, "EmptyLatentImage"):
+            size = settings.size if kind == SAMPLER else settings.ksampler_size or settings.size
+            sets += [f"{key}.width={size}", f"{key}.height={size}"]
+        if kind in (SAMPLER, "KSampler"):
+            sets.append(f"{key}.steps={steps}")
         if keep is not None and "keep_loaded" in inputs:
             sets.append(f"{key}.keep_loaded={keep}")
     return sets

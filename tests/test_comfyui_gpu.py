@@ -29,7 +29,9 @@ LIMIT_MIB = 64
 
 @pytest.fixture(scope="module")
 def sequence(request, tmp_path_factory, tiny_folder, sdxl_vae_file) -> dict:
-    settings = Settings(model=MODEL, size=SIZE, steps=STEPS, limit_mib=LIMIT_MIB, prompt_timeout=300)
+    settings = Settings(
+        model=MODEL, size=SIZE, ksampler_size=320, steps=STEPS, limit_mib=LIMIT_MIB, prompt_timeout=300
+    )
     with running_server(
         request, tmp_path_factory.mktemp("comfyui"), tiny_folder, sdxl_vae_file=sdxl_vae_file, cpu=False
     ) as server:

@@ -527,3 +527,25 @@ def test_lora_ksampler_workflow_runs_the_packs_model_through_core_lora_and_ksamp
     assert (sampler["positive"], sampler["negative"]) == ([encoder, 1], [encoder, 2])
     assert sampler["latent_image"] == [by_type["EmptyLatentImage"], 0]
     assert (sampler["sampler_name"], sampler["scheduler"], sampler["cfg"]) == ("dpmpp_2m", "normal", 4.5)
+
+
+@pytest.mark.parametrize("keep", [None, True])
+def test_the_server_sequence_sets_every_api_workflow(keep):
+    """The GPU sequence (tests/server_sequence.py) sets model, size and steps on every bundled API
+    workflow without touching a linked input (the client refuses those: --set sets widget values only)."""
+    from server_sequence import Settings, build_prompt
+
+    settings = Settings(model="tiny", size=64, ksampler_size=320, steps=2)
+    for path in settings.workflows:
+        prompt = build_prompt(path, settings, index=1, steps=2, keep=keep)
+        sizes = {
+            (node["inputs"]["width"], node["inputs"]["height"])
+            for node in prompt.values()
+            if node["class_type"] in ("PixArtQ_Sampler", "EmptyLatentImage")
+        }
+        assert sizes in ({(64, 64)}, {(320, 320)}), (path.name, sizes)
+        assert all(
+            node["inputs"]["model"] == "tiny"
+            for node in prompt.values()
+            if isinstance(node["inputs"].get("model"), str)
+        ), path.name
