@@ -23,13 +23,14 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
+from .. import attention
 from . import fused_kernels
 from .compute import FP16, Rows
 from .quanto import ScaledWeightLinear
 
-PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0")
+# diffusers' processors and the pack's own (:class:`..attention.Processor`), whose attention it runs.
+PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 
 
 def use_fused(blocks: torch.nn.ModuleList, compute: str) -> int:
@@ -147,7 +148,7 @@ def _apply(layer, input: torch.Tensor | Rows, dtype: torch.dtype) -> torch.Tenso
 
 
 def _fused_projections(attn) -> bool:
-    return type(attn.processor).__name__ == "FusedAttnProcessor2_0"
+    return hasattr(attn, "to_qkv")
 
 
 def _qkv_layers(attn) -> tuple:
@@ -159,26 +160,27 @@ def _self_attention(attn, input, mask, dtype) -> torch.Tensor:
         q, k, v = _apply(attn.to_qkv, input, dtype).chunk(3, dim=-1)
     else:
         q, k, v = (_apply(layer, input, dtype) for layer in (attn.to_q, attn.to_k, attn.to_v))
-    return _output(attn, _attend(attn, q, k, v, mask), dtype)
+    return _output(attn, _attend(attn, "self", q, k, v, mask), dtype)
 
 
 def _cross_attention(attn, query, context, mask, dtype) -> torch.Tensor:
     q = _apply(attn.to_q, query, dtype)
-    if _fused_projections(attn):
+    if hasattr(attn, "to_kv"):
         k, v = attn.to_kv(context).chunk(2, dim=-1)
     else:
         k, v = attn.to_k(context), attn.to_v(context)
-    return _output(attn, _attend(attn, q, k, v, mask), dtype)
+    return _output(attn, _attend(attn, "cross", q, k, v, mask), dtype)
 
 
-def _attend(attn, q, k, v, mask) -> torch.Tensor:
-    """``AttnProcessor2_0``'s attention of projected ``q``, ``k``, ``v`` ``[B, tokens, heads × head]``."""
+def _attend(attn, kind: str, q, k, v, mask) -> torch.Tensor:
+    """``AttnProcessor2_0``'s attention of projected ``q``, ``k``, ``v`` ``[B, tokens, heads × head]``, on
+    the backend chosen for ``kind`` (:func:`..attention.attend`)."""
     batch, heads = q.shape[0], attn.heads
     if mask is not None:
         mask = attn.prepare_attention_mask(mask, k.shape[1], batch)
         mask = mask.view(batch, heads, -1, mask.shape[-1])
     q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    out = attention.attend(kind, q, k, v, mask)
     return out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(q.dtype)
 
 
