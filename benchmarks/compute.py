@@ -13,12 +13,15 @@ replace those of the result, the others stay, each naming its run. Three parts, 
   then attn1's q/k/v, ff1 and ff2 compiled (inductor) together with the op before each as it runs in the block (LayerNorm and
   the adaLN modulation before q, k, v and ff1; tanh-GELU before ff2; nothing before the attention's output
   projection), the fp16 layer compiled the same way beside it; and comfy-kitchen's ``int8_linear``
-  (tensor-wise weight scale, per-token activations) where it is installed.
+  (tensor-wise weight scale, per-token activations) where it is installed. Then each fused quantization
+  kernel (core/quant/fused_kernels.py) at its shape, GPU time in CUDA graphs, beside the same op eager and
+  a copy of its input.
 - ``sampler``: the sampler stage alone, 1024², 20 steps, cfg 4.5, dpmsolver++ (the settings below), the
   transformer kept loaded so that only the steps and the stage's own work count; median of the later runs
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
-  int8 and fp8. With each its GPU peak allocated during a run (the kept weights included).
+  int8 and fp8, and int8 and fp8 with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused
+  quantization kernels). With each its GPU peak allocated during a run (the kept weights included).
 - ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
   pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
   decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
@@ -34,6 +37,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -58,8 +62,8 @@ COMPUTE_ROWS = {
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
     "pack compute int8": {"compute": "int8"},
     "pack compute fp8": {"compute": "fp8"},
-    "pack compute int8, quantization unfused": {"compute": "int8", "unfused": True},
-    "pack compute fp8, quantization unfused": {"compute": "fp8", "unfused": True},
+    "pack compute int8, fused quantization": {"compute": "int8", "fused": True},
+    "pack compute fp8, fused quantization": {"compute": "fp8", "fused": True},
 }
 # The fused quantization kernels at PixArt-Σ XL's 1024² shapes with guidance: (op, input shape).
 FUSED_SHAPES = [
@@ -228,16 +232,16 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 
 
 def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
-    """A sampler row; ``"unfused": True`` in ``options`` keeps the blocks' diffusers forward (each 8-bit
-    layer quantizes its input itself, inductor fusing what it can: the path before the fused kernels)."""
+    """A sampler row; ``"fused": True`` in ``options`` runs it with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (the
+    fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`)."""
     from pixart_lowvram.core import sampler, vae
     from pixart_lowvram.core.pool import cache
 
     options = dict(options)
-    if options.pop("unfused", False):
-        with _unfused():
+    if options.pop("fused", False):
+        with _fused():
             return pack_row(source, prompts, options, quant_cache, decoder) | {
-                "options": {**options, "unfused": True}
+                "options": {**options, "fused": True}
             }
     torch._dynamo.reset()  # each row compiles its own blocks
 
@@ -265,15 +269,14 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
 
 
 @contextlib.contextmanager
-def _unfused():
+def _fused():
     from pixart_lowvram.core.quant import block
 
-    use_fused = block.use_fused
-    block.use_fused = lambda blocks, compute: 0
+    os.environ[block.VARIABLE] = "1"
     try:
         yield
     finally:
-        block.use_fused = use_fused
+        del os.environ[block.VARIABLE]
 
 
 def graph_us(fn, calls: int = 20, repeat: int = 20) -> float:

@@ -473,9 +473,10 @@ def prepare(
     scheme.plain_modules(model)
     quanto.set_compute(blocks, compute)
     if compute != compute_paths.FP16:
-        from .quant.block import use_fused  # imports Triton where it is installed
+        from .quant import block  # imports Triton where it is installed
 
-        use_fused(blocks, compute)
+        if block.wanted():
+            block.use_fused(blocks, compute)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:

@@ -14,6 +14,7 @@ fused path with its feed-forward's output halved (a gate applied twice) is 17e a
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -36,9 +37,13 @@ def blocks(request, tiny):
     settings = sampler.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute=path
     )
-    model = sampler.prepare(
-        quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
-    )
+    os.environ[fused_block.VARIABLE] = "1"  # the sampler's prepare switches the blocks only when asked
+    try:
+        model = sampler.prepare(
+            quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
+        )
+    finally:
+        del os.environ[fused_block.VARIABLE]
     block = model.transformer_blocks[0]
     unquantized = copy.deepcopy(block).float()
     fused_block.unuse_fused([unquantized])
@@ -161,3 +166,15 @@ def test_use_fused_switches_pixart_blocks_only_and_unuse_fused_switches_back():
     ):
         fused_block.use_fused([pixart, plain], "fp8")
     assert "forward" not in vars(pixart)  # nothing switched
+
+
+def test_the_sampler_fuses_only_when_asked_and_a_bad_setting_is_one_line(tiny, monkeypatch):
+    settings = sampler.SamplerSettings(
+        tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute="int8"
+    )
+    quantized = quantized_transformer(settings.transformer)
+    model = sampler.prepare(quantized, settings.scheme, torch.device("cpu"), compute="int8", quantized=True)
+    assert "forward" not in vars(model.transformer_blocks[0])  # off by default: diffusers' forward
+    monkeypatch.setenv(fused_block.VARIABLE, "yes")
+    with pytest.raises(ValueError, match=r"^PIXART_LOWVRAM_FUSED_QUANT='yes' is not a setting; set it to 1"):
+        fused_block.wanted()

@@ -20,6 +20,7 @@ in float32 where diffusers' run in the activation's dtype: the same image within
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -31,6 +32,24 @@ from .quanto import ScaledWeightLinear
 
 # diffusers' processors and the pack's own (:class:`..attention.Processor`), whose attention it runs.
 PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
+
+
+# The sampler runs the fused blocks only when this is 1. Their kernels take a fraction of the unfused
+# quantization's GPU time, but each is a Python custom op that inductor calls through the dispatcher: on an
+# H100 (2026-12-06, docs/BENCHMARKS.md, compute) an fp8 run of 20 steps at 1024² spent 0.64 s on the GPU
+# and 1.3 s on the clock, launch-bound, against 0.79-0.94 s unfused. Off until the launches are cheaper.
+VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
+
+
+def wanted() -> bool:
+    """Whether ``PIXART_LOWVRAM_FUSED_QUANT`` asks for the fused blocks (``1``; ``0`` or unset: not)."""
+    value = os.environ.get(VARIABLE, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels) or 0 "
+            "(off, the default), or unset it."
+        )
+    return value == "1"
 
 
 def use_fused(blocks: torch.nn.ModuleList, compute: str) -> int:
