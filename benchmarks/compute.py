@@ -13,12 +13,15 @@ replace those of the result, the others stay, each naming its run. Three parts, 
   then attn1's q/k/v, ff1 and ff2 compiled (inductor) together with the op before each as it runs in the block (LayerNorm and
   the adaLN modulation before q, k, v and ff1; tanh-GELU before ff2; nothing before the attention's output
   projection), the fp16 layer compiled the same way beside it; and comfy-kitchen's ``int8_linear``
-  (tensor-wise weight scale, per-token activations) where it is installed.
+  (tensor-wise weight scale, per-token activations) where it is installed. Then each fused quantization
+  kernel (core/quant/fused_kernels.py) at its shape, GPU time in CUDA graphs, beside the same op eager and
+  a copy of its input.
 - ``sampler``: the sampler stage alone, 1024², 20 steps, cfg 4.5, dpmsolver++ (the settings below), the
   transformer kept loaded so that only the steps and the stage's own work count; median of the later runs
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
-  int8 and fp8. With each its GPU peak allocated during a run (the kept weights included).
+  int8 and fp8, and int8 and fp8 with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused
+  quantization kernels). With each its GPU peak allocated during a run (the kept weights included).
 - ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
   pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
   decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
@@ -30,9 +33,11 @@ of compiled fp16 + fast, fp8 (fast and exact accumulation) and int8 sampler runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -57,7 +62,15 @@ COMPUTE_ROWS = {
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
     "pack compute int8": {"compute": "int8"},
     "pack compute fp8": {"compute": "fp8"},
+    "pack compute int8, fused quantization": {"compute": "int8", "fused": True},
+    "pack compute fp8, fused quantization": {"compute": "fp8", "fused": True},
 }
+# The fused quantization kernels at PixArt-Σ XL's 1024² shapes with guidance: (op, input shape).
+FUSED_SHAPES = [
+    ("norm_modulate_quantize", (2, 4096, 1152)),
+    ("quantize_rows", (8192, 1152)),
+    ("gelu_quantize", (8192, 4608)),
+]
 FIDELITY_REFERENCE = "pack compute fp16 (defaults)"
 # PixArt-Σ XL's block at 1024² with guidance: (name, in, out, rows, the op before it).
 HIDDEN, FF, TOKENS, CAPTION = 1152, 4608, 2 * 4096, 2 * 300
@@ -219,8 +232,18 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 
 
 def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
+    """A sampler row; ``"fused": True`` in ``options`` runs it with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (the
+    fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`)."""
     from pixart_lowvram.core import sampler, vae
     from pixart_lowvram.core.pool import cache
+
+    options = dict(options)
+    if options.pop("fused", False):
+        with _fused():
+            return pack_row(source, prompts, options, quant_cache, decoder) | {
+                "options": {**options, "fused": True}
+            }
+    torch._dynamo.reset()  # each row compiles its own blocks
 
     def settings(seed):
         return sampler.SamplerSettings(
@@ -243,6 +266,53 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
         "peak_allocated": max(p for _, _, p in runs[1:]),
         "outputs": outputs,
     }
+
+
+@contextlib.contextmanager
+def _fused():
+    from pixart_lowvram.core.quant import block
+
+    os.environ[block.VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[block.VARIABLE]
+
+
+def graph_us(fn, calls: int = 20, repeat: int = 20) -> float:
+    """GPU time of one call of ``fn`` in µs: ``calls`` calls captured in a CUDA graph, the median of
+    ``repeat`` replays over ``calls`` (without the graph, a call whose launch takes longer on the CPU than its
+    kernels on the GPU would be timed by its launch)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1000 * median_ms(graph.replay, repeat=repeat, warmup=3) / calls
+
+
+def fused_kernels() -> list[dict]:
+    """Each fused quantization at its 1024² shape (GPU time, µs: :func:`graph_us`), against the same op
+    unfused (eager torch: the op, absmax, division, cast) and a copy of its input (one read and one write:
+    the floor)."""
+    from pixart_lowvram.core.quant import fused, fused_kernels
+
+    rows = []
+    torch.manual_seed(0)
+    for op, shape in FUSED_SHAPES:
+        x = torch.randn(*shape, device="cuda", dtype=torch.float16)
+        shift = torch.randn(shape[0], 1, shape[-1], device="cuda", dtype=torch.float16) * 0.1
+        scale = torch.randn(shape[0], 1, shape[-1], device="cuda", dtype=torch.float16) * 0.1
+        args = (x, shift, scale, 1e-6) if op == "norm_modulate_quantize" else (x,)
+        row = {"op": op, "input": list(shape), "copy of the input": graph_us(x.clone)}
+        for compute in ("int8", "fp8"):
+            kernel, eager = getattr(fused_kernels, op), getattr(fused, op)
+            row[f"{compute} fused"] = graph_us(lambda k=kernel, c=compute, a=args: k(*a, c))
+            row[f"{compute} eager"] = graph_us(lambda e=eager, c=compute, a=args: e(*a, c))
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
 
 
 # CUDA kernel names by what they do (cuBLAS/CUTLASS GEMMs, fp8 GEMMs, attention, inductor's fused
@@ -336,6 +406,17 @@ def markdown(result: dict) -> str:
         extra = [k for row in kernel_rows for k in row if k not in keys and k not in ("in", "out")]
         keys += list(dict.fromkeys(extra))
         lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in kernel_rows])
+        lines.append("")
+    fused_rows = parts.get("kernels", {}).get("fused", [])
+    if fused_rows:
+        lines += [
+            "## The fused quantization kernels at 1024² with guidance (µs of GPU time, CUDA graphs; fused: the pack's "
+            "Triton kernel; eager: the same op as separate torch ops; copy: one read and one write of the "
+            f"input; run {harness.run_of(result, parts['kernels'])})",
+            "",
+        ]
+        keys = list(fused_rows[0])
+        lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in fused_rows])
         lines.append("")
     sampler_rows = parts.get("sampler", {}).get("rows", {})
     if sampler_rows:
@@ -439,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         print(write())
         return 0
     if not args.skip_kernels:
-        parts["kernels"] = {"layers": kernels()}
+        parts["kernels"] = {"layers": kernels(), "fused": fused_kernels()}
         write()
     if args.kernels_only:
         print(write())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import estimates, inputs, lora, measure, streaming
+from . import attention, estimates, inputs, lora, measure, streaming
 from .contract import (
     LATENT_CHANNELS,
     MAX_SIZE,
@@ -26,7 +26,6 @@ from .contract import (
     check_size,
     warn,
 )
-from .devices import attention_order
 from .estimates import Workload
 from .models import ModelSource
 from .pool import cache
@@ -470,8 +469,14 @@ def prepare(
     # back from host memory (the compiled fast path would compile again for another requires_grad).
     model.eval().requires_grad_(False)
     blocks = model.transformer_blocks
+    attention.install(model)
     scheme.plain_modules(model)
     quanto.set_compute(blocks, compute)
+    if compute != compute_paths.FP16:
+        from .quant import block  # imports Triton where it is installed
+
+        if block.wanted():
+            block.use_fused(blocks, compute)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)
     else:
@@ -545,6 +550,23 @@ def _step_cache(transformer, threshold: float, steps: int) -> Iterator[None]:
         threshold,
         full[0],
         steps,
+    )
+
+
+def _settle_attention(transformer, latents: torch.Tensor, embeds, settings: SamplerSettings) -> None:
+    """The attention choices for a compiled run, made before its blocks are traced
+    (:func:`.attention.settle`) at its shapes: the latents' patches (both halves of the guidance batch)
+    and the caption's tokens."""
+    config = transformer.config
+    guided = 2 if settings.cfg > 1 else 1
+    attention.settle(
+        settings.device,
+        settings.dtype,
+        batch=latents.shape[0] * guided,
+        heads=config.num_attention_heads,
+        head_dim=config.attention_head_dim,
+        queries=(latents.shape[-2] // config.patch_size) * (latents.shape[-1] // config.patch_size),
+        keys=embeds.prompt_embeds.shape[1],
     )
 
 
@@ -668,26 +690,27 @@ def _sample(
             if on_progress is not None:
                 on_progress(step + 1, total, latents)
 
+        if settings.compiled:
+            _settle_attention(transformer, latents, embeds, settings)
         try:
-            with attention_order(device):
-                latents = pipe(
-                    negative_prompt=None,
-                    prompt_embeds=embeds.prompt_embeds.to(device, dtype),
-                    prompt_attention_mask=embeds.prompt_mask.to(device),
-                    negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
-                    negative_prompt_attention_mask=embeds.negative_mask.to(device),
-                    latents=latents.to(device, dtype),
-                    width=latents.shape[-1] * 8,
-                    height=latents.shape[-2] * 8,
-                    num_inference_steps=settings.steps,
-                    guidance_scale=settings.cfg,
-                    num_images_per_prompt=latents.shape[0] // embeds.batch,
-                    generator=generator,
-                    output_type="latent",
-                    use_resolution_binning=False,
-                    callback=callback,
-                    return_dict=False,
-                )[0]
+            latents = pipe(
+                negative_prompt=None,
+                prompt_embeds=embeds.prompt_embeds.to(device, dtype),
+                prompt_attention_mask=embeds.prompt_mask.to(device),
+                negative_prompt_embeds=embeds.negative_embeds.to(device, dtype),
+                negative_prompt_attention_mask=embeds.negative_mask.to(device),
+                latents=latents.to(device, dtype),
+                width=latents.shape[-1] * 8,
+                height=latents.shape[-2] * 8,
+                num_inference_steps=settings.steps,
+                guidance_scale=settings.cfg,
+                num_images_per_prompt=latents.shape[0] // embeds.batch,
+                generator=generator,
+                output_type="latent",
+                use_resolution_binning=False,
+                callback=callback,
+                return_dict=False,
+            )[0]
         except (
             torch._dynamo.exc.BackendCompilerFailed
         ) as exc:  # fast and 8-bit compute: nothing else compiles

@@ -681,13 +681,14 @@ def test_no_attention_call_asks_for_its_processors_signature(comfy, pack_model, 
     theirs made once, so a KSampler run computes none."""
     import inspect
 
+    from pixart_lowvram.core import attention
     from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
     forward = pack_model.object_patches[pack_forward.OBJECT]
     processors = {
         type(module.processor) for module in forward.skeleton.modules() if hasattr(module, "processor")
     }
-    assert processors == {pack_forward.Processor}
+    assert processors == {attention.Processor}
     computed = []
     original = inspect._signature_from_function
     monkeypatch.setattr(
@@ -729,38 +730,22 @@ def test_ksampler_runs_diffusers_blocks_on_the_models_layers(comfy, pack_model):
     assert not isinstance(pack_model.model.diffusion_model.forward_orig, pack_forward.PackForward)
 
 
-def test_ksamplers_attention_on_the_model_runs_in_its_order_for_the_gpu(comfy, pack_model, monkeypatch):
-    """Each attention call of the MODEL's forward under KSampler runs in the order the pack sets for a GPU
-    that prefers cuDNN's kernel (the CPU here, as one), though ComfyUI's attention context left the process's
-    order FlashAttention first: the self-attention in torch's own order, cuDNN first; the cross-attention,
-    whose keys are the prompt's tokens, FlashAttention first (no plan built per new length). The latents
-    are the same bits (on the CPU the order picks no other kernel)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from pixart_lowvram.core import devices
+def test_ksamplers_attention_on_the_model_runs_through_the_choice(comfy, pack_model, monkeypatch):
+    """Each attention call of the MODEL's forward under KSampler goes through core.attention's chosen
+    backend, as self or cross: the cross-attention over the prompt's own tokens, without a mask (its new
+    key lengths count in the choice). The latents are the same bits (on the CPU nothing is chosen)."""
+    from pixart_lowvram.core import attention
 
     latents, _ = sample(comfy, pack_model)
-    monkeypatch.setattr(devices, "prefers_cudnn_attention", lambda _device: True)
-    cudnn_first = [int(getattr(SDPBackend, name)) for name in devices.CUDNN_FIRST]
-    short_keys_first = [int(getattr(SDPBackend, name)) for name in devices.SHORT_KEYS_FIRST]
-    seen = {"self": [], "cross": []}
-    attention = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+    attend = attention.attend
 
-    def recording(query, key, *args, **kwargs):
-        kind = "self" if key.shape[-2] == query.shape[-2] else "cross"
-        seen[kind].append(list(torch._C._get_sdp_priority_order())[: len(cudnn_first)])
-        return attention(query, key, *args, **kwargs)
+    def recording(kind, q, k, v, mask=None):
+        seen.append((kind, mask is not None))
+        return attend(kind, q, k, v, mask)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    flash_first = [
-        SDPBackend.FLASH_ATTENTION,
-        SDPBackend.EFFICIENT_ATTENTION,
-        SDPBackend.MATH,
-        SDPBackend.CUDNN_ATTENTION,
-    ]
-    with sdpa_kernel(flash_first, set_priority=True):
-        ordered, _ = sample(comfy, pack_model)
-    assert seen["self"] and all(order == cudnn_first for order in seen["self"])
-    assert seen["cross"] and all(order == short_keys_first for order in seen["cross"])
-    assert len(seen["self"]) == len(seen["cross"])
-    assert torch.equal(ordered, latents)
+    monkeypatch.setattr(attention, "attend", recording)
+    again, _ = sample(comfy, pack_model)
+    assert set(seen) == {("self", False), ("cross", False)}
+    assert sum(kind == "self" for kind, *_ in seen) == sum(kind == "cross" for kind, *_ in seen)
+    assert torch.equal(again, latents)

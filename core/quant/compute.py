@@ -15,9 +15,12 @@ integers are exact up to 16 in e4m3 and within 1/16 of their value above, with t
 The activation's quantization is an absmax over each row and a division, which pays only when it runs
 inside the kernel that made the activation (the norm and modulation before the attention's and
 feed-forward's inputs, the GELU before the second feed-forward layer): run by themselves they cost more
-than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the 8-bit paths run
-their blocks compiled (``torch.compile``) on a GPU, where inductor fuses the quantization into the kernel
-before it. On the CPU they run eager (the same arithmetic, unfused): a compile there takes minutes.
+than the 8-bit product saves (FACTS: ff2 281 µs against 115 µs in fp16, H200). So the blocks' forward
+quantizes those inputs in one pass with the op before (:mod:`.block`, :mod:`.fused_kernels`: Triton
+kernels on CUDA, the float32 references of :mod:`.fused` elsewhere), and hands them to :func:`product`;
+a layer called with a tensor quantizes it here (:func:`quantize_rows`). On a GPU the blocks run compiled
+(``torch.compile``: inductor fuses the rest of the block, and the quantization :func:`quantize_rows` does);
+on the CPU they run eager (a compile there takes minutes).
 
 Only the layers of the transformer's blocks compute in 8 bits: their rows are the image's tokens (4096 at
 1024²) or the caption's. The embeddings, the time conditioning, the caption projection and ``proj_out``
@@ -101,6 +104,65 @@ def weight_for(compute: str, data: torch.Tensor) -> torch.Tensor:
     return data
 
 
+@dataclass(frozen=True)
+class Rows:
+    """An activation quantized per row for an 8-bit product: ``values`` ``[M, K]`` (int8 or e4m3),
+    ``scales`` ``[M, 1]`` float32 (a row is its values times its scale), and ``shape``, the activation's
+    leading shape (``M`` rows in all)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, ...]
+
+
+def quantize_rows(x: torch.Tensor, compute: str) -> Rows:
+    """``x`` ``[..., K]`` quantized per row (token) to ``compute``'s 8 bits, in float32."""
+    return quantize_float32(x.reshape(-1, x.shape[-1]).float(), compute, tuple(x.shape[:-1]))
+
+
+def quantize_float32(rows: torch.Tensor, compute: str, shape: tuple[int, ...]) -> Rows:
+    """float32 ``rows`` ``[M, K]`` quantized symmetrically by each row's absmax: over 127 and rounded half to
+    even for int8, over 448 and cast (round to nearest even) for e4m3."""
+    absmax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    # Each row times the reciprocal of its scale: one division a row (as the fused kernels do).
+    if compute == INT8:
+        scales = absmax / INT8_MAX
+        values = (rows * (1 / scales)).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    else:
+        scales = absmax / E4M3_MAX
+        values = (rows * (1 / scales)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return Rows(values, scales, shape)
+
+
+def product(
+    compute: str,
+    rows: Rows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``rows @ (weight × weight_scale)ᵀ + bias`` in ``out_dtype``, shaped ``[*rows.shape, out]``: ``weight``
+    holds the layer's values as :func:`weight_for` gave them, ``weight_scale`` ``[out, 1]``."""
+    scale_b = weight_scale.reshape(1, -1).float()
+    if compute == INT8:
+        out = torch._int_mm(rows.values, weight.t()).float() * (rows.scales * scale_b)
+    else:
+        # Row-wise scales give bf16 on every torch that has them; one rounding more than fp16's output.
+        out = torch._scaled_mm(
+            rows.values,
+            weight.t(),
+            scale_a=rows.scales,
+            scale_b=scale_b,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=FAST_ACCUMULATION,
+        )
+    out = out.to(out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out.reshape(*rows.shape, out.shape[-1])
+
+
 def linear(
     compute: str,
     input: torch.Tensor,
@@ -108,32 +170,9 @@ def linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``input @ (weight × weight_scale)ᵀ + bias`` with ``input`` quantized per token to ``compute``'s 8 bits;
-    ``weight`` holds the layer's values as :func:`weight_for` gave them, ``weight_scale`` ``[out, 1]``. The
-    result in ``input``'s dtype."""
-    rows = input.reshape(-1, input.shape[-1])
-    absmax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    scale_b = weight_scale.reshape(1, -1).float()
-    if compute == INT8:
-        x_scale = absmax / INT8_MAX
-        quantized = (rows.float() / x_scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-        out = torch._int_mm(quantized, weight.t()).float() * (x_scale * scale_b)
-    else:
-        x_scale = absmax / E4M3_MAX
-        quantized = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        # Row-wise scales give bf16 on every torch that has them; one rounding more than fp16's output.
-        out = torch._scaled_mm(
-            quantized,
-            weight.t(),
-            scale_a=x_scale,
-            scale_b=scale_b,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=FAST_ACCUMULATION,
-        )
-    out = out.to(input.dtype)
-    if bias is not None:
-        out = out + bias.to(input.dtype)
-    return out.reshape(*input.shape[:-1], out.shape[-1])
+    """``input @ (weight × weight_scale)ᵀ + bias`` with ``input`` quantized per token to ``compute``'s 8 bits
+    (:func:`quantize_rows`, then :func:`product`); the result in ``input``'s dtype."""
+    return product(compute, quantize_rows(input, compute), weight, weight_scale, bias, input.dtype)
 
 
 @dataclass(frozen=True)

@@ -145,21 +145,29 @@ class ScaledWeightLinear(torch.nn.Module):
         patch is set."""
         return _expanded(self, device)
 
+    def eight_bit(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows computes an 8-bit product."""
+        return self.compute != compute_paths.FP16 and rows > compute_paths.MIN_ROWS
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows is the 8-bit product alone (no LoRA branch, which needs the
+        unquantized input), so an input quantized ahead (:meth:`product`) serves it."""
+        return self.eight_bit(rows) and not self.low_rank
+
+    def product(self, rows: compute_paths.Rows, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's 8-bit product of an input quantized per row, in ``dtype`` (no LoRA branch)."""
+        device = rows.values.device
+        weight, scale, bias = (_on(t, device) for t in (self.weight, self.weight_scale, self.bias))
+        return compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        bias = _on(self.bias, input.device)
-        if self.compute != compute_paths.FP16 and input.numel() > compute_paths.MIN_ROWS * self.in_features:
-            out = compute_paths.linear(
-                self.compute,
-                input,
-                _on(self.weight, input.device),
-                _on(self.weight_scale, input.device),
-                bias,
-            )
+        if self.eight_bit(input.numel() // self.in_features):
+            out = self.product(compute_paths.quantize_rows(input, self.compute), input.dtype)
         else:
             weight = self.weight_dense
             if weight is None or weight.device != input.device:
                 weight = self.expanded(input.device)
-            out = torch.nn.functional.linear(input.to(weight.dtype), weight, bias)
+            out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
         for branch in self.low_rank:
             out = branch.add_to(out, input)
         return out

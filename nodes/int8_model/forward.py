@@ -17,23 +17,21 @@ v (and the cross-attention's k and v) are ComfyUI's fused projections, which dif
 processor takes as they are. Nothing is copied but the blocks' small modulation tables, cast to the run's
 dtype. The position embedding is diffusers' with ComfyUI's base size for the image
 (``round(mean side / 64) * 64 // patch``) and interpolation: the same sinusoids ComfyUI computes. Its
-attention runs in torch's own backend order for the GPU (:func:`~...core.devices.attention_order`), which
-any ComfyUI attention call earlier in the process would otherwise have left at FlashAttention first — but
-for the cross-attention, whose keys are the prompt's own tokens (:class:`Processor`).
+attention runs on the backend measured fastest for the card (:mod:`~...core.attention`), whatever order
+a ComfyUI attention call earlier in the process left torch's backends in; the cross-attention's choice
+counts what a new key length costs, since ComfyUI's conditioning is as long as its prompt.
 
 ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
 conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import weakref
 
 import comfy.utils
 import torch
 
-from ...core.devices import attention_order, cross_attention_order
+from ...core import attention
 from ...core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
@@ -47,8 +45,6 @@ class PackForward:
     """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers."""
 
     def __init__(self, pixart: torch.nn.Module, config: dict, unet_config: dict):
-        from diffusers.models.attention_processor import FusedAttnProcessor2_0
-
         self.pixart = weakref.ref(pixart)
         self.config, self.unet_config = config, unet_config
         key_map = comfy.utils.pixart_to_diffusers(unet_config)
@@ -69,11 +65,10 @@ class PackForward:
             leaves = tuple(name.rpartition(".")[2] for name in names)
             if leaves not in FUSED or any(name.rpartition(".")[0] != owner for name in names):
                 raise ValueError(f"ComfyUI's {path} joins {names}: not projections diffusers fuses")
-            attention = skeleton.get_submodule(owner)
+            module = skeleton.get_submodule(owner)
             for leaf in leaves:
-                delattr(attention, leaf)
-            setattr(attention, FUSED[leaves], pixart.get_submodule(path))
-            attention.set_processor(Processor(FusedAttnProcessor2_0(), cross=leaves == ("to_k", "to_v")))
+                delattr(module, leaf)
+            setattr(module, FUSED[leaves], pixart.get_submodule(path))
         # The modulation tables: ComfyUI's parameters, cast to the run's dtype when it starts (ComfyUI's
         # blocks cast theirs on every call), held as plain attributes of diffusers' modules.
         self.tables = []
@@ -89,6 +84,7 @@ class PackForward:
             raise ValueError(
                 f"diffusers' PixArt has weights ComfyUI's has no place for: {', '.join(left[:5])}"
             )
+        attention.install(skeleton)
         # The position embedding is made for each image's size, on its device, once a run (:meth:`place`);
         # the native size's buffer is not kept.
         patches = skeleton.pos_embed
@@ -171,42 +167,13 @@ class PackForward:
                 setattr(module, leaf, pixart.get_parameter(target).detach().to(x.device, x.dtype))
             self.made_for = (x.device, x.dtype)
         self.place(*x.shape[-2:], x.device)
-        with attention_order(x.device):
-            return self.skeleton(
-                hidden_states=x,
-                encoder_hidden_states=y.squeeze(1),
-                timestep=timestep,
-                added_cond_kwargs=NO_ADDED_CONDITIONS,
-                return_dict=False,
-            )[0]
-
-
-class Processor:
-    """diffusers' processor of a block's self- or cross-attention.
-
-    diffusers' ``Attention.forward`` asks for its processor's signature at every call
-    (``inspect.signature``, about 20 µs on a CPU core; 1,120 calls in a 20-step prompt, 56 a step); this
-    processor's signature is computed once (``__signature__``, which ``inspect`` returns as it is).
-
-    A cross-attention runs FlashAttention first (:func:`~...core.devices.cross_attention_order`). ComfyUI's
-    conditioning is as long as its prompt, so nearly every new prompt is a new key length, and cuDNN's
-    kernel, first in the self-attention's order on Hopper, builds an execution plan for every shape it has
-    not met (37-41 and 67 ms at PixArt-Σ's shapes on two H200s); FlashAttention builds none. The
-    self-attention (4096 keys at 1024², one shape an image size) stays on cuDNN's."""
-
-    def __init__(self, processor, cross: bool):
-        self.processor, self.cross = processor, cross
-
-    def __call__(
-        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
-    ):
-        with cross_attention_order(hidden_states.device) if self.cross else contextlib.nullcontext():
-            return self.processor(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs
-            )
-
-
-Processor.__call__.__signature__ = inspect.signature(Processor.__call__)
+        return self.skeleton(
+            hidden_states=x,
+            encoder_hidden_states=y.squeeze(1),
+            timestep=timestep,
+            added_cond_kwargs=NO_ADDED_CONDITIONS,
+            return_dict=False,
+        )[0]
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

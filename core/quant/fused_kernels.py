@@ -1,0 +1,196 @@
+"""The pack's fused quantization kernels (Triton) and the custom ops that run them.
+
+Each kernel is one program a row: it loads the row, computes in float32 (the op before, if any, then the
+row's absmax), and writes the 8-bit values and the row's scale — one read of the activation and one
+write of its 8-bit form, where the unfused ops read and write it several times. The custom ops
+``pixart_lowvram::quantize_rows``, ``pixart_lowvram::norm_modulate_quantize`` and
+``pixart_lowvram::gelu_quantize`` run the kernel on CUDA when Triton imports, the eager reference of
+:mod:`.fused` otherwise; ``torch.compile`` takes them as opaque calls (``register_fake`` gives their
+shapes), so inductor neither traces nor re-fuses them. (``torch.library.triton_op``, which inductor would
+trace into, failed to compile the fp8 cast on an H100.)
+
+Rounding matches the references: int8 rounds half to even by adding and subtracting ``1.5 × 2²³`` in
+float32 (the sum's last place is 1), and e4m3 rounds to nearest even the same way with ``1.5 × 2²⁰`` times
+the value's power of two (e4m3 keeps 3 mantissa bits; at least ``2⁻⁶``, the step of its subnormals), so
+the cast that follows is exact. A row is multiplied by the reciprocal of its scale (one IEEE division a
+row, ``div_rn``, not one a value); the norm's square root is IEEE's (``sqrt_rn``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fused
+from .compute import E4M3, FP8, INT8, Rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the references run instead; the kernels below are then plain, unused functions
+    triton = tl = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+DTYPES = {INT8: torch.int8, FP8: E4M3}
+
+
+@_jit
+def _store_rows(y, row, cols, inside, values, scales, K, FP8: tl.constexpr):
+    # ``y``: the float32 row, 0 outside it.
+    absmax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
+    if FP8:
+        scale = tl.div_rn(absmax, 448.0)
+        q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -448.0), 448.0)
+        power = (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        rounder = tl.maximum(power, 0.015625) * 1572864.0  # 1.5 × 2²⁰ × max(2^⌊log2|q|⌋, 2⁻⁶)
+        q = ((q + rounder) - rounder).to(tl.float8e4nv)
+    else:
+        scale = tl.div_rn(absmax, 127.0)
+        q = y * tl.div_rn(1.0, scale)
+        q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # 1.5 × 2²³: round half to even
+    tl.store(values + row * K + cols, q, mask=inside)
+    tl.store(scales + row, scale)
+
+
+@_jit
+def _quantize_rows_kernel(x, values, scales, K, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < K
+    y = tl.load(x + row * K + cols, mask=inside, other=0.0).to(tl.float32)
+    _store_rows(y, row, cols, inside, values, scales, K, FP8)
+
+
+@_jit
+def _gelu_quantize_kernel(x, values, scales, K, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < K
+    x_ = tl.load(x + row * K + cols, mask=inside, other=0.0).to(tl.float32)
+    # GELU's tanh form: ½x(1 + tanh u) = x · sigmoid(2u), u = √(2/π)(x + 0.044715x³); 0 stays 0, and the
+    # exponent is capped at 80 (x below about -9.9, where GELU is under 1e-34 of x).
+    u = 0.7978845608028654 * (x_ + 0.044715 * x_ * x_ * x_)
+    y = x_ / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))
+    _store_rows(y, row, cols, inside, values, scales, K, FP8)
+
+
+@_jit
+def _norm_modulate_quantize_kernel(
+    x, values, scales, K, shift, scale, rows_per_item, modulation_stride, eps, BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < K
+    x_ = tl.load(x + row * K + cols, mask=inside, other=0.0).to(tl.float32)
+    mean = tl.sum(x_, axis=0) / K
+    centred = tl.where(inside, x_ - mean, 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(centred * centred, axis=0) / K + eps))
+    at = (row // rows_per_item) * modulation_stride + cols
+    shift_ = tl.load(shift + at, mask=inside, other=0.0).to(tl.float32)
+    scale_ = tl.load(scale + at, mask=inside, other=0.0).to(tl.float32)
+    y = centred * rstd * (1.0 + scale_) + shift_
+    _store_rows(y, row, cols, inside, values, scales, K, FP8)
+
+
+def _outputs(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, width = x.shape
+    values = torch.empty((rows, width), dtype=DTYPES[compute], device=x.device)
+    return values, torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+
+
+def _launch(kernel, x: torch.Tensor, compute: str, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``kernel`` one program a row of ``x`` ``[M, K]``, with ``args`` after its outputs and ``K``."""
+    x = x.contiguous()
+    values, scales = _outputs(x, compute)
+    block = triton.next_power_of_2(x.shape[1])
+    warps = 4 if block <= 2048 else 8
+    kernel[(x.shape[0],)](
+        x, values, scales, x.shape[1], *args, BLOCK=block, FP8=compute == FP8, num_warps=warps
+    )
+    return values, scales
+
+
+def triton_quantize_rows(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of :func:`.fused.quantize_rows` on ``x`` ``[M, K]``: values ``[M, K]``, scales
+    ``[M, 1]``."""
+    return _launch(_quantize_rows_kernel, x, compute)
+
+
+def triton_gelu_quantize(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of :func:`.fused.gelu_quantize` on ``x`` ``[M, K]``."""
+    return _launch(_gelu_quantize_kernel, x, compute)
+
+
+def triton_norm_modulate_quantize(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, compute: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of :func:`.fused.norm_modulate_quantize` on ``x`` ``[B, N, K]`` with ``shift`` and
+    ``scale`` as ``[B, K]`` or ``[1, K]`` rows."""
+    shift, scale = shift.contiguous(), scale.contiguous()
+    stride = 0 if shift.shape[0] == 1 else x.shape[-1]
+    flat = x.reshape(-1, x.shape[-1])
+    return _launch(_norm_modulate_quantize_kernel, flat, compute, shift, scale, x.shape[1], stride, eps)
+
+
+# The custom ops: the references by default, the Triton kernels on CUDA.
+@torch.library.custom_op("pixart_lowvram::quantize_rows", mutates_args=())
+def quantize_rows_op(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = fused.quantize_rows(x, compute)
+    return rows.values, rows.scales
+
+
+@torch.library.custom_op("pixart_lowvram::gelu_quantize", mutates_args=())
+def gelu_quantize_op(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = fused.gelu_quantize(x, compute)
+    return rows.values, rows.scales
+
+
+@torch.library.custom_op("pixart_lowvram::norm_modulate_quantize", mutates_args=())
+def norm_modulate_quantize_op(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, compute: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = fused.norm_modulate_quantize(x, shift[:, None], scale[:, None], eps, compute)
+    return rows.values, rows.scales
+
+
+@quantize_rows_op.register_fake
+def _(x, compute):
+    return _outputs(x, compute)
+
+
+@gelu_quantize_op.register_fake
+def _(x, compute):
+    return _outputs(x, compute)
+
+
+@norm_modulate_quantize_op.register_fake
+def _(x, shift, scale, eps, compute):
+    return _outputs(x.reshape(-1, x.shape[-1]), compute)
+
+
+if triton is not None:
+    quantize_rows_op.register_kernel("cuda")(triton_quantize_rows)
+    gelu_quantize_op.register_kernel("cuda")(triton_gelu_quantize)
+    norm_modulate_quantize_op.register_kernel("cuda")(triton_norm_modulate_quantize)
+
+
+def quantize_rows(x: torch.Tensor, compute: str) -> Rows:
+    """``x`` ``[..., K]`` quantized per row to ``compute``'s 8 bits, in one pass (:func:`.fused.quantize_rows`)."""
+    values, scales = quantize_rows_op(x.reshape(-1, x.shape[-1]), compute)
+    return Rows(values, scales, tuple(x.shape[:-1]))
+
+
+def gelu_quantize(x: torch.Tensor, compute: str) -> Rows:
+    """GELU (tanh) of ``x`` ``[..., K]`` quantized per row, in one pass (:func:`.fused.gelu_quantize`)."""
+    values, scales = gelu_quantize_op(x.reshape(-1, x.shape[-1]), compute)
+    return Rows(values, scales, tuple(x.shape[:-1]))
+
+
+def norm_modulate_quantize(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, compute: str
+) -> Rows:
+    """``x`` ``[B, N, K]`` layer-normed, modulated and quantized per row, in one pass
+    (:func:`.fused.norm_modulate_quantize`)."""
+    shift, scale = fused.modulation_rows(x, shift, "shift"), fused.modulation_rows(x, scale, "scale")
+    values, scales = norm_modulate_quantize_op(x, shift, scale, eps, compute)
+    return Rows(values, scales, tuple(x.shape[:-1]))
