@@ -13,7 +13,7 @@ for each new shape, 37-67 ms at PixArt-Σ's; FlashAttention none).
 ``PIXART_LOWVRAM_ATTENTION`` (:data:`ENV`) forces one backend. On the CPU nothing is measured: every call
 is torch's own ``scaled_dot_product_attention``.
 
-:class:`Processor` is the diffusers attention processor both doors use (the Quanto PixArt Sampler's
+:class:`Processor` is the diffusers attention processor both doors use (the sampler stage's
 transformer and the int8 MODEL's diffusers blocks); :func:`settle` makes the choices before a compiled
 run, whose traced calls cannot be timed; :func:`measure` gives benchmarks every candidate's figures."""
 
