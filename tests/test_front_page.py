@@ -1,6 +1,6 @@
 """The front page (README.md): short enough to read (and the reference documents within their sizes),
-and naming, where a user looks when ComfyUI does not
-start, the torch/torchvision pair that the comfyui tier installs on a CPU-only set-up."""
+and naming, where a user looks when ComfyUI does not start, the torch/torchvision pair that the comfyui
+tier installs on a CPU-only set-up."""
 
 from __future__ import annotations
 
