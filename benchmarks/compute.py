@@ -27,8 +27,9 @@ replace those of the result, the others stay, each naming its run. Three parts, 
   decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
   arithmetic moves this network, not how a trained model's pictures change.
 
-``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward
-of compiled fp16 + fast, fp8 (fast and exact accumulation) and int8 sampler runs.
+``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward,
+and the GPU's busy time against the wall clock, of compiled fp16 + fast, fp8 (fast and exact
+accumulation), int8 and fp8 with the fused quantization.
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ def fused_kernels() -> list[dict]:
 # CUDA kernel names by what they do (cuBLAS/CUTLASS GEMMs, fp8 GEMMs, attention, inductor's fused
 # kernels, the rest).
 KERNEL_KINDS = (
+    ("fused quantization (the pack's kernels)", ("quantize_kernel",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "int_mm", "cublas", "wgmma")),
     ("fused elementwise and norms (inductor)", ("triton",)),
@@ -326,11 +328,22 @@ KERNEL_KINDS = (
 
 def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     """One later sampler run (20 steps, the transformer kept and compiled) under torch's profiler: CUDA
-    kernel time by kind, per transformer forward, and the run's wall clock."""
+    kernel time by kind, per transformer forward, the GPU's busy time for the run (all its kernels) and the
+    run's wall clock measured without the profiler: a wall clock well above the busy time is a run that
+    waits on its launches. Only the kernels count (device-side events): an operator's row carries its
+    kernels' time too."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from pixart_lowvram.core import sampler
     from pixart_lowvram.core.pool import cache
+
+    options = dict(options)
+    if options.pop("fused", False):
+        with _fused():
+            return profile_row(source, prompts, options, quant_cache) | {
+                "options": {**options, "fused": True}
+            }
 
     embeds, seed = prompts[0]
     settings = sampler.SamplerSettings(
@@ -343,7 +356,8 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
         sampler.sample(settings, embeds)
         torch.cuda.synchronize()
     kinds: dict[str, float] = {}
-    for event in prof.key_averages():
+    kernels = [event for event in prof.key_averages() if event.device_type == DeviceType.CUDA]
+    for event in kernels:
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if not total or event.key.startswith(("Memcpy", "Memset")):
             continue
@@ -354,12 +368,13 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     cache.clear()
     torch.cuda.empty_cache()
     top = sorted(
-        prof.key_averages(),
+        kernels,
         key=lambda e: -(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)),
     )[:12]
     return {
         "options": options,
         "later_seconds": later,
+        "gpu_busy_seconds": round(sum(kinds.values()) / 1000, 4),
         "ms_per_forward": {kind: round(ms / forwards, 3) for kind, ms in sorted(kinds.items())},
         "top_kernels": [
             (
@@ -472,10 +487,11 @@ def markdown(result: dict) -> str:
         ]
         cells = [
             [name, json.dumps(row["options"]), f"{row['later_seconds']:.3f} s"]
+            + [f"{row['gpu_busy_seconds']:.3f} s" if "gpu_busy_seconds" in row else "–"]
             + [fmt(row["ms_per_forward"].get(kind, 0.0)) for kind in kinds]
             for name, row in profile.items()
         ]
-        lines += harness.table(["compute", "options", "20 steps", *kinds], cells)
+        lines += harness.table(["compute", "options", "20 steps", "GPU busy", *kinds], cells)
     return "\n".join(lines) + "\n"
 
 
@@ -509,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             "fp8": ({"compute": "fp8"}, True),
             "fp8, exact accumulation": ({"compute": "fp8"}, False),
             "int8": ({"compute": "int8"}, True),
+            "fp8, fused quantization": ({"compute": "fp8", "fused": True}, True),
         }
         parts["profile"] = {"rows": {}}
         for name, (options, fast_accumulation) in rows.items():
