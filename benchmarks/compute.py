@@ -316,13 +316,14 @@ def fused_kernels() -> list[dict]:
     return rows
 
 
-# CUDA kernel names by what they do (cuBLAS/CUTLASS GEMMs, fp8 GEMMs, attention, inductor's fused
-# kernels, the rest).
+# CUDA kernels by what they do: the first kind whose words a kernel's name holds, the rest "other".
+# Inductor's kernels come first: they are named after every op they fuse, so the one that quantizes a
+# _scaled_mm's input is "triton_red_fused__scaled_mm_…".
 KERNEL_KINDS = (
     ("fused quantization (the pack's kernels)", ("quantize_kernel",)),
+    ("fused elementwise and norms (inductor)", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "scaled_mm", "int_mm", "cublas", "wgmma")),
-    ("fused elementwise and norms (inductor)", ("triton",)),
 )
 
 
