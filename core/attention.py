@@ -173,14 +173,22 @@ _fa4_operator = None
 
 
 def _register_fa4_operator():
-    operator = torch.library.custom_op("pixart_lowvram::flash_attn_4", _fa4_eager, mutates_args=())
+    # torch.library.Library rather than custom_op, as the fused quantization's operators
+    # (core/quant/fused_kernels.py): no custom_op wrapper on each call.
+    library = torch.library.Library("pixart_lowvram", "FRAGMENT")
+    library.define("flash_attn_4(Tensor q, Tensor k, Tensor v) -> Tensor")
+    library.impl("flash_attn_4", _fa4_eager, "CompositeExplicitAutograd")
 
-    @operator.register_fake
+    @torch.library.register_fake("pixart_lowvram::flash_attn_4", lib=library)
     def _(q, k, v):
         batch, heads, tokens, size = q.shape
         return q.new_empty(batch, tokens, heads, size).transpose(1, 2)
 
-    return operator
+    _fa4_libraries.append(library)  # the registration lasts as long as its Library object
+    return torch.ops.pixart_lowvram.flash_attn_4.default
+
+
+_fa4_libraries: list = []
 
 
 def _fa4_run(q, k, v, mask=None):
