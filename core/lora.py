@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from .contract import WarningCallback, warn
 from .quant.compute import FP16, LowRank
-from .quant.quanto import ScaledWeightConv2d, ScaledWeightLinear
+from .quant.quanto import ScaledWeightConv2d, ScaledWeightLinear, clear_run_patches
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,7 @@ def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
 
 
 def _detach(layer: torch.nn.Module) -> None:
-    if isinstance(layer, ScaledWeightLinear):
-        layer.weight_patch, layer.low_rank = None, ()
-    elif isinstance(layer, ScaledWeightConv2d):
-        layer.weight_patch = None
+    if isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
+        clear_run_patches(layer)
     elif parametrize.is_parametrized(layer, "weight"):
         parametrize.remove_parametrizations(layer, "weight", leave_parametrized=False)

@@ -178,3 +178,26 @@ def test_the_sampler_fuses_only_when_asked_and_a_bad_setting_is_one_line(tiny, m
     monkeypatch.setenv(fused_block.VARIABLE, "yes")
     with pytest.raises(ValueError, match=r"^PIXART_LOWVRAM_FUSED_QUANT='yes' is not a setting; set it to 1"):
         fused_block.wanted()
+
+
+def test_a_compiled_run_after_one_with_a_lora_gives_the_first_runs_latents(
+    tiny, tiny_folder, reference, tmp_path, monkeypatch
+):
+    """Compiled blocks keep one graph a size whatever LoRAs ran before: a LoRA's branches are taken off to
+    the layers' class defaults, and the fused block asks for them without a graph break (dynamo cannot
+    trace ``not`` on a tuple); otherwise a later run picks the LoRA run's graph-broken entry, which rounds
+    differently. The same computation twice: bit for bit."""
+    import dataclasses
+
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core import lora
+
+    settings = sampler.SamplerSettings(
+        tiny, width=128, height=128, steps=2, seed=7, device="cpu", quantization="qint8", compute="int8",
+        fast=True,
+    )  # fmt: skip
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
+    first = sampler.sample(settings, reference.embeds)
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
+    sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path),)), reference.embeds)
+    assert torch.equal(sampler.sample(settings, reference.embeds), first)

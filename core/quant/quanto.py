@@ -109,6 +109,14 @@ def expand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale * data
 
 
+def clear_run_patches(layer: torch.nn.Module) -> None:
+    """A run's LoRA patch and low-rank branches taken off ``layer``: back to the class's defaults (none),
+    not instance values equal to them. A compiled block guards on which attributes a layer holds, and would
+    otherwise compile again for every run after one with a LoRA, into a graph that rounds differently."""
+    for name in ("weight_patch", "low_rank"):
+        vars(layer).pop(name, None)
+
+
 class ScaledWeightLinear(torch.nn.Module):
     """A linear layer holding optimum-quanto's quantized weight as two plain tensors — ``weight`` (int8 or
     float8, ``[out, in]``) and ``weight_scale`` (``[out, 1]``, the compute dtype) — and computing what
@@ -152,7 +160,7 @@ class ScaledWeightLinear(torch.nn.Module):
     def takes_rows(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows is the 8-bit product alone (no LoRA branch, which needs the
         unquantized input), so an input quantized ahead (:meth:`product`) serves it."""
-        return self.eight_bit(rows) and not self.low_rank
+        return self.eight_bit(rows) and len(self.low_rank) == 0  # dynamo cannot trace `not` on a tuple
 
     def product(self, rows: compute_paths.Rows, dtype: torch.dtype) -> torch.Tensor:
         """The layer's 8-bit product of an input quantized per row, in ``dtype`` (no LoRA branch)."""

@@ -100,9 +100,7 @@ class RunPatches:
         if isinstance(pack_forward, forward.PackForward):
             pack_forward.reset()
         for _key, layer in self.layers(patcher):
-            layer.weight_patch = None
-            if isinstance(layer, quanto.ScaledWeightLinear):
-                layer.low_rank = ()
+            quanto.clear_run_patches(layer)
 
 
 def _plain_lora(patch: tuple) -> bool:
