@@ -115,22 +115,14 @@ def node_id(workflow: dict, class_type: str) -> str:
     return found
 
 
-def overrides(workflow: dict, settings: Settings, steps: int, keep: bool | None) -> list[str]:
-    """``NODE.INPUT=VALUE`` assignments: the model of every node that names one (not a link to a MODEL),
-    the size and steps of the pack's sampler or of core's empty latent and KSampler, and keep_loaded
-    everywhere when ``keep`` is given."""
+def overrides(workflow: dict, steps: int, keep: bool | None) -> list[str]:
+    """``NODE.INPUT=VALUE`` assignments: the steps of the pack's sampler or core's KSampler, and keep_loaded
+    everywhere when ``keep`` is given (the model and size go by the client's --model and --size)."""
     sets = []
     for key, node in workflow.items():
-        inputs = node.get("inputs", {})
-        kind = node["class_type"]
-        if isinstance(inputs.get("model"), str):
-            sets.append(f"{key}.model={settings.model}")
-        if kind in (SAMPLER, "EmptyLatentImage"):
-            size = settings.size if kind == SAMPLER else settings.ksampler_size or settings.size
-            sets += [f"{key}.width={size}", f"{key}.height={size}"]
-        if kind in (SAMPLER, "KSampler"):
+        if node["class_type"] in (SAMPLER, "KSampler"):
             sets.append(f"{key}.steps={steps}")
-        if keep is not None and "keep_loaded" in inputs:
+        if keep is not None and "keep_loaded" in node.get("inputs", {}):
             sets.append(f"{key}.keep_loaded={keep}")
     return sets
 
@@ -139,11 +131,21 @@ def build_prompt(
     path: Path, settings: Settings, index: int, keep: bool | None = None, steps: int | None = None
 ) -> dict:
     """The API workflow at ``path`` for this server, with a T5 text and seed of its own (``index``), so
-    ComfyUI's cache runs every node again."""
+    ComfyUI's cache runs every node again; its model and size set as ``queue --model --size`` sets them
+    (core's empty latent before KSampler takes ``ksampler_size``)."""
     workflow = api.load_workflow(path)
-    sets = overrides(workflow, settings, steps or settings.steps, keep)
+    sets = overrides(workflow, steps or settings.steps, keep)
     text = next(node["inputs"]["prompt"] for node in workflow.values() if node["class_type"] == T5)
-    return api.apply_overrides(workflow, sets, prompt=f"{text}, sequence {index}", seed=index)
+    core_latent = any(node["class_type"] == "EmptyLatentImage" for node in workflow.values())
+    size = (settings.ksampler_size or settings.size) if core_latent else settings.size
+    return api.apply_overrides(
+        workflow,
+        sets,
+        prompt=f"{text}, sequence {index}",
+        seed=index,
+        model=settings.model,
+        size=(size, size),
+    )
 
 
 def with_core_decode(prompt: dict, prefix: str) -> dict:
