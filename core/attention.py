@@ -447,6 +447,28 @@ def measure(
     return CHOOSER.evaluate(kind, q, k, v, mask, CHOOSER.candidates(q, mask))
 
 
+def attend_heads(attn, kind: str, query, key, value, mask=None) -> torch.Tensor:
+    """``AttnProcessor2_0``'s attention of the projected ``query``, ``key`` and ``value`` (``[batch, tokens,
+    heads × head size]``) of diffusers' ``Attention`` module ``attn``, with its mask prepared as that
+    processor prepares it, through :func:`attend`; the result in the query's layout and dtype."""
+    batch, heads = query.shape[0], attn.heads
+    if mask is not None:
+        mask = attn.prepare_attention_mask(mask, key.shape[1], batch)
+        mask = mask.view(batch, heads, -1, mask.shape[-1])
+    q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (query, key, value))
+    out = attend(kind, q, k, v, mask)
+    return out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(query.dtype)
+
+
+def unsupported(module) -> str | None:
+    """What diffusers ``Attention`` ``module`` does that :func:`attend_heads` leaves out (norms, a residual,
+    a rescaled output: none of them in PixArt-Σ); None if nothing."""
+    used = [each for each in UNSUPPORTED if getattr(module, each, None) is not None]
+    if used or module.residual_connection or module.rescale_output_factor != 1.0:
+        return str(used) if used else "a residual or rescaled output"
+    return None
+
+
 class Processor:
     """diffusers' attention processor for PixArt-Σ's blocks (``AttnProcessor2_0``'s steps, or
     ``FusedAttnProcessor2_0``'s where the module holds fused ``to_qkv``/``to_kv`` projections), whose
@@ -458,10 +480,6 @@ class Processor:
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
     ):
-        batch, tokens, _ = (hidden_states if encoder_hidden_states is None else encoder_hidden_states).shape
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, tokens, batch)
-            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1])
         if encoder_hidden_states is None:
             kind = "self"
             if hasattr(attn, "to_qkv"):
@@ -479,12 +497,7 @@ class Processor:
                 key, value = attn.to_kv(encoder_hidden_states).chunk(2, dim=-1)
             else:
                 key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query, key, value = (
-            t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value)
-        )
-        out = attend(kind, query, key, value, attention_mask)
-        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        out = attend_heads(attn, kind, query, key, value, attention_mask)
         return attn.to_out[1](attn.to_out[0](out))
 
 
@@ -502,8 +515,7 @@ def install(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if not isinstance(module, Attention):
             continue
-        used = [each for each in UNSUPPORTED if getattr(module, each, None) is not None]
-        if used or module.residual_connection or module.rescale_output_factor != 1.0:
-            what = used or "a residual or rescaled output"
+        what = unsupported(module)
+        if what is not None:
             raise ValueError(f"attention {name or type(module).__name__} uses {what}: not PixArt-Σ's")
         module.set_processor(processor)

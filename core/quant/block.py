@@ -94,12 +94,7 @@ def unfusable(block: torch.nn.Module) -> str | None:
         processor = type(attn.processor).__name__
         if processor not in PROCESSORS:
             return f"a block whose attention runs {processor}"
-        norms = (attn.norm_q, attn.norm_k, attn.norm_cross, attn.spatial_norm, attn.group_norm)
-        if (
-            any(norm is not None for norm in norms)
-            or attn.residual_connection
-            or attn.rescale_output_factor != 1
-        ):
+        if attention.unsupported(attn) is not None:
             return "a block whose attention normalizes, adds or rescales"
     return None
 
@@ -180,7 +175,7 @@ def _self_attention(attn, input, mask, dtype) -> torch.Tensor:
         q, k, v = _apply(attn.to_qkv, input, dtype).chunk(3, dim=-1)
     else:
         q, k, v = (_apply(layer, input, dtype) for layer in (attn.to_q, attn.to_k, attn.to_v))
-    return _output(attn, _attend(attn, "self", q, k, v, mask), dtype)
+    return _output(attn, attention.attend_heads(attn, "self", q, k, v, mask), dtype)
 
 
 def _cross_attention(attn, query, context, mask, dtype) -> torch.Tensor:
@@ -189,19 +184,7 @@ def _cross_attention(attn, query, context, mask, dtype) -> torch.Tensor:
         k, v = attn.to_kv(context).chunk(2, dim=-1)
     else:
         k, v = attn.to_k(context), attn.to_v(context)
-    return _output(attn, _attend(attn, "cross", q, k, v, mask), dtype)
-
-
-def _attend(attn, kind: str, q, k, v, mask) -> torch.Tensor:
-    """``AttnProcessor2_0``'s attention of projected ``q``, ``k``, ``v`` ``[B, tokens, heads × head]``, on
-    the backend chosen for ``kind`` (:func:`..attention.attend`)."""
-    batch, heads = q.shape[0], attn.heads
-    if mask is not None:
-        mask = attn.prepare_attention_mask(mask, k.shape[1], batch)
-        mask = mask.view(batch, heads, -1, mask.shape[-1])
-    q, k, v = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
-    out = attention.attend(kind, q, k, v, mask)
-    return out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(q.dtype)
+    return _output(attn, attention.attend_heads(attn, "cross", q, k, v, mask), dtype)
 
 
 def _output(attn, x, dtype) -> torch.Tensor:
