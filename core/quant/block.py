@@ -37,7 +37,7 @@ PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 # The sampler runs the fused blocks only when this is 1. Their kernels take a fraction of the unfused
 # quantization's GPU time, but each is a Python operator that inductor calls through the dispatcher: on an
 # H100 (2026-12-06, docs/BENCHMARKS.md, compute) an fp8 run of 20 steps at 1024² spent 0.64 s on the GPU
-# and 1.3 s on the clock, launch-bound, against 0.79-0.94 s unfused (the operators were custom_op's then,
+# and 1.3 s on the clock, launch-bound, against 0.94 s unfused (the operators were custom_op's then,
 # about 60 µs of CPU a call more than now). Off until a run shows the launches no longer bound it.
 VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
 
