@@ -24,6 +24,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,17 +228,18 @@ def candidates(q: torch.Tensor, mask) -> list[Candidate]:
 
 
 def cuda_timer(fn: Callable, warm_up: int, runs: int) -> float:
-    """Seconds a call of ``fn`` takes on the GPU (CUDA events); ``warm_up`` calls first."""
+    """Seconds a call of ``fn`` takes on the clock: ``runs`` calls issued back to back, then waited for
+    (``warm_up`` calls first). The longer of the GPU's time and the host's time to issue the calls, as a
+    run sees them: a kernel that is fast on the GPU but slow to launch (flash-attn-4 from Python on an H100,
+    2026-12-06: 365 µs on the GPU, a sampler run launch-bound) costs its launch."""
     for _ in range(warm_up):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start = time.perf_counter()
     for _ in range(runs):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / runs
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / runs
 
 
 def device_name(device: torch.device) -> str:

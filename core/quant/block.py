@@ -34,21 +34,18 @@ from .quanto import ScaledWeightLinear
 PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 
 
-# The sampler runs the fused blocks only when this is 1. Their kernels take a fraction of the unfused
-# quantization's GPU time, but each is a Python operator that inductor calls through the dispatcher: on an
-# H100 (2026-12-06, docs/BENCHMARKS.md, compute) an fp8 run of 20 steps at 1024² spent 0.64 s on the GPU
-# and 1.3 s on the clock, launch-bound, against 0.94 s unfused (the operators were custom_op's then,
-# about 60 µs of CPU a call more than now). Off until a run shows the launches no longer bound it.
+# The sampler runs the fused blocks unless this is 0. On an H100 (2026-12-06, docs/BENCHMARKS.md, compute)
+# 20 fp8 steps at 1024² took 0.65 s fused against 0.71 s unfused in one run (diffusers' fp16 model 0.80 s).
 VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
 
 
 def wanted() -> bool:
-    """Whether ``PIXART_LOWVRAM_FUSED_QUANT`` asks for the fused blocks (``1``; ``0`` or unset: not)."""
-    value = os.environ.get(VARIABLE, "0").strip()
+    """Whether the fused blocks run: ``PIXART_LOWVRAM_FUSED_QUANT`` unset or ``1``; ``0`` turns them off."""
+    value = os.environ.get(VARIABLE, "1").strip()
     if value not in ("0", "1"):
         raise ValueError(
-            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels) or 0 "
-            "(off, the default), or unset it."
+            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels, the "
+            "default) or 0 (off), or unset it."
         )
     return value == "1"
 
