@@ -414,15 +414,21 @@ def inputs(
 
 
 @torch.no_grad()
-def settle(device: torch.device, dtype: torch.dtype, batch, heads, head_dim, queries, keys) -> None:
-    """The self-attention's and the masked cross-attention's choices on ``device``, made on random tensors
-    of a run's shapes before its compiled forward traces them (nothing on the CPU)."""
+def settle(
+    device: torch.device, dtype: torch.dtype, batch, heads, head_dim, queries, keys, masked: bool = True
+) -> None:
+    """The self-attention's and the cross-attention's (``masked``: with a mask, as the sampler's padded
+    caption has) choices on ``device``, made on random tensors of a run's shapes before its compiled
+    forward traces them; nothing where they are made already, nothing on the CPU."""
     if device.type != "cuda":
         return
-    q, k, v, mask = inputs(batch, heads, queries, queries, head_dim, device=device, dtype=dtype)
-    CHOOSER.choose("self", q, k, v)
-    q, k, v, mask = inputs(batch, heads, queries, keys, head_dim, True, device, dtype)
-    CHOOSER.choose("cross", q, k, v, mask)
+    device = torch.empty(0, device=device).device  # with its index, as the tensors' device has it
+    for kind, mask_kind in (("self", False), ("cross", masked)):
+        if (device, kind, mask_kind, dtype) in CHOOSER.made:
+            continue
+        width = queries if kind == "self" else keys
+        q, k, v, mask = inputs(batch, heads, queries, width, head_dim, mask_kind, device, dtype)
+        CHOOSER.choose(kind, q, k, v, mask if mask_kind else None)
 
 
 @torch.no_grad()

@@ -577,13 +577,14 @@ FAST_FIX = (
 )
 
 
-def compile_blocks(blocks: torch.nn.ModuleList) -> None:
+def compile_blocks(blocks: torch.nn.ModuleList, dynamic: bool | None = False) -> None:
     """``torch.compile`` each block's forward (the hooks around it stay eager). The blocks share their
     code, so all 28 run on two compiled graphs (the first block's input comes transposed from the patch
-    embedding); a new image size compiles once more."""
+    embedding); a new image size compiles once more. ``dynamic``: torch.compile's (None: shapes that
+    change between calls compile once more as dynamic ones)."""
     try:
         for block in blocks:
-            block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=False)
+            block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=dynamic)
     except Exception as exc:  # the compiler's own imports (a torch build without a working inductor)
         raise compile_failed(exc) from exc
 

@@ -170,7 +170,9 @@ def test_the_sampler_fuses_unless_told_not_to_and_a_bad_setting_is_one_line(tiny
 
     def first_block(compute: str):
         quantized = quantized_transformer(settings.transformer)
-        model = sampler.prepare(quantized, settings.scheme, torch.device("cpu"), compute=compute, quantized=True)
+        model = sampler.prepare(
+            quantized, settings.scheme, torch.device("cpu"), compute=compute, quantized=True
+        )
         return model.transformer_blocks[0]
 
     monkeypatch.delenv(fused_block.VARIABLE, raising=False)

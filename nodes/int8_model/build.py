@@ -25,7 +25,6 @@ import torch
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ...core import measure
-from ...core import sampler as sampler_stage
 from ...core.quant import compute as compute_paths
 from ...core.quant import quanto
 from ...core.single_files import CAPTION_TOKENS
@@ -247,25 +246,17 @@ def load(
     patcher.cached_patcher_init = (load, (transformer, keep_loaded))
     guidance.apply(patcher)
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, CALLBACK_KEY, refuse_small)
-    if transformer.compiled and load_device.type == "cuda":
-        # ComfyUI's own torch.compile wrapper (its TorchCompileModel node's), block by block as the pack's
-        # sampler compiles them: compiled at the first step, on whichever device the blocks then are. Shapes
-        # are left to dynamo's automatic dynamic ones: ComfyUI's conditioning is as long as its prompt, and
-        # static shapes compiled again for every new prompt length (H200, 2026-12-02: 4.1-5.9 s a prompt, a
-        # repeated prompt 1.32 s).
-        from comfy_api.torch_helpers import set_torch_compile_wrapper
-
-        set_torch_compile_wrapper(
-            patcher,
-            backend=sampler_stage.COMPILE_BACKEND,
-            dynamic=None,
-            keys=[f"diffusion_model.blocks.{index}" for index in range(len(blocks))],
-        )
-    else:
-        # diffusers' blocks over the MODEL's own layers, ComfyUI's forward where they would differ.
-        pack_forward = forward.PackForward(model.diffusion_model, transformer.config, config)
-        patcher.add_object_patch(forward.OBJECT, pack_forward)
-        patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, pack_forward.follow)
+    # diffusers' blocks over the MODEL's own layers (ComfyUI's forward where they would differ), quantizing
+    # each 8-bit layer's input with the op before it and compiled as the sampler's blocks are.
+    pack_forward = forward.PackForward(
+        model.diffusion_model,
+        transformer.config,
+        config,
+        transformer.compute,
+        compiled=transformer.compiled and load_device.type == "cuda",
+    )
+    patcher.add_object_patch(forward.OBJECT, pack_forward)
+    patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, pack_forward.follow)
     run = RunPatches(transformer)
     patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, CALLBACK_KEY, run.start)
     patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, CALLBACK_KEY, run.end)

@@ -32,6 +32,9 @@ import comfy.utils
 import torch
 
 from ...core import attention
+from ...core import sampler as sampler_stage
+from ...core.quant import block as fused_block
+from ...core.quant import compute as compute_paths
 from ...core.transformer import empty
 
 # diffusers' leaf names of the projections that ComfyUI fuses into one layer, and the fused layer's name in
@@ -42,11 +45,23 @@ NO_ADDED_CONDITIONS = {"resolution": None, "aspect_ratio": None}
 
 
 class PackForward:
-    """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers."""
+    """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers. With an
+    8-bit ``compute`` its blocks quantize each layer's input with the op before it, as the sampler's do
+    (:func:`~...core.quant.block.use_fused`); ``compiled``: the blocks run compiled (the sampler's
+    :func:`~...core.sampler.compile_blocks`, with dynamic shapes: ComfyUI's conditioning is as long as its
+    prompt)."""
 
-    def __init__(self, pixart: torch.nn.Module, config: dict, unet_config: dict):
+    def __init__(
+        self,
+        pixart: torch.nn.Module,
+        config: dict,
+        unet_config: dict,
+        compute: str = compute_paths.FP16,
+        compiled: bool = False,
+    ):
         self.pixart = weakref.ref(pixart)
         self.config, self.unet_config = config, unet_config
+        self.compute, self.compiled = compute, compiled
         key_map = comfy.utils.pixart_to_diffusers(unet_config)
         skeleton = empty(config)
         fused: dict[str, list[tuple[int, str]]] = {}
@@ -85,6 +100,11 @@ class PackForward:
                 f"diffusers' PixArt has weights ComfyUI's has no place for: {', '.join(left[:5])}"
             )
         attention.install(skeleton)
+        blocks = skeleton.transformer_blocks
+        if compute != compute_paths.FP16 and fused_block.wanted():
+            fused_block.use_fused(blocks, compute)
+        if compiled:
+            sampler_stage.compile_blocks(blocks, dynamic=None)
         # The position embedding is made for each image's size, on its device, once a run (:meth:`place`);
         # the native size's buffer is not kept.
         patches = skeleton.pos_embed
@@ -109,7 +129,9 @@ class PackForward:
         model = clone.model.diffusion_model
         current = clone.object_patches.get(OBJECT)
         if isinstance(current, PackForward) and current.pixart() is not model:
-            clone.object_patches[OBJECT] = PackForward(model, self.config, self.unet_config)
+            clone.object_patches[OBJECT] = PackForward(
+                model, self.config, self.unet_config, self.compute, self.compiled
+            )
 
     def reset(self) -> None:
         """Drop the tables cast for a run and its position embedding (the run's end)."""
@@ -167,13 +189,28 @@ class PackForward:
                 setattr(module, leaf, pixart.get_parameter(target).detach().to(x.device, x.dtype))
             self.made_for = (x.device, x.dtype)
         self.place(*x.shape[-2:], x.device)
-        return self.skeleton(
-            hidden_states=x,
-            encoder_hidden_states=y.squeeze(1),
-            timestep=timestep,
-            added_cond_kwargs=NO_ADDED_CONDITIONS,
-            return_dict=False,
-        )[0]
+        if self.compiled:  # the attention's choices before the blocks trace (ComfyUI's caption: no mask)
+            config, patch = self.skeleton.config, self.skeleton.config.patch_size
+            attention.settle(
+                x.device,
+                x.dtype,
+                batch=x.shape[0],
+                heads=config.num_attention_heads,
+                head_dim=config.attention_head_dim,
+                queries=(x.shape[-2] // patch) * (x.shape[-1] // patch),
+                keys=y.shape[-2],
+                masked=False,
+            )
+        try:
+            return self.skeleton(
+                hidden_states=x,
+                encoder_hidden_states=y.squeeze(1),
+                timestep=timestep,
+                added_cond_kwargs=NO_ADDED_CONDITIONS,
+                return_dict=False,
+            )[0]
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            raise sampler_stage.compile_failed(exc) from exc
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
