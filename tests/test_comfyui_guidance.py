@@ -749,3 +749,66 @@ def test_ksamplers_attention_on_the_model_runs_through_the_choice(comfy, pack_mo
     assert set(seen) == {("self", False), ("cross", False)}
     assert sum(kind == "self" for kind, *_ in seen) == sum(kind == "cross" for kind, *_ in seen)
     assert torch.equal(again, latents)
+
+
+def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
+    comfy, tiny_folder, tmp_path_factory, monkeypatch
+):
+    """compute int8 on the MODEL: its forward's blocks are the sampler's fused ones, each 8-bit layer's
+    input quantized by one fused op (counted), within the unfused blocks' own 8-bit error ``e`` of compute
+    fp16's forward (``e`` measured here) and within 2e of the unfused forward (float32 here, where the fused
+    references may round as the unfused ops do: 0 allowed); ``PIXART_LOWVRAM_FUSED_QUANT=0`` gives the
+    unfused blocks."""
+    from pixart_lowvram.core.quant import block as fused_block
+    from pixart_lowvram.core.quant import fused_kernels
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+
+    calls: dict[str, int] = {}
+    for name in ("quantize_rows", "norm_modulate_quantize", "gelu_quantize"):
+        op = getattr(fused_kernels, name)
+
+        def spy(*args, _op=op, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(fused_kernels, name, spy)
+    generator = torch.Generator().manual_seed(5)
+    x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])
+    y = None
+
+    def forward_of(compute: str) -> tuple[torch.Tensor, list]:
+        nonlocal y
+        model = int8_model_of(tiny_folder, tmp_path_factory, compute=compute)
+        forward = model.object_patches[pack_forward.OBJECT]
+        if y is None:
+            y = torch.randn(2, 1, 40, caption_width(model), generator=generator)
+        calls.clear()
+        with torch.inference_mode():
+            out = forward(x, timestep, y)
+        forward.reset()
+        return out, [vars(block).get("forward") for block in forward.skeleton.transformer_blocks]
+
+    full, plain = forward_of("fp16")
+    assert calls == {}
+    fused, switched = forward_of("int8")
+    blocks = len(switched)
+    # q/k/v and ff1 from the norm + modulation, ff2 from the GELU, the output projections and the
+    # cross-attention's query from a plain quantization (the caption's 80 rows quantize in their layers).
+    assert calls == {
+        "norm_modulate_quantize": 2 * blocks,
+        "gelu_quantize": blocks,
+        "quantize_rows": 3 * blocks,
+    }
+    monkeypatch.setenv(fused_block.VARIABLE, "0")
+    unfused, unswitched = forward_of("int8")
+    assert calls == {}
+    assert plain == unswitched == [None] * blocks
+    assert [method.__func__ for method in switched] == [fused_block.fused_forward] * blocks
+
+    def relative(a, b) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    error = relative(unfused, full)
+    assert 0 < error < 0.05, error
+    assert relative(fused, unfused) <= 2 * error
+    assert relative(fused, full) <= 1.1 * error
