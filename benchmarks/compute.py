@@ -20,8 +20,8 @@ replace those of the result, the others stay, each naming its run. Three parts, 
   transformer kept loaded so that only the steps and the stage's own work count; median of the later runs
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
-  int8 and fp8 (the fused quantization kernels, their default), and int8 and fp8 with
-  ``PIXART_LOWVRAM_FUSED_QUANT=0`` (``"fused": false``: each layer quantizes its input, inductor fusing
+  int8 and fp8 each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization
+  kernels) and ``=0`` (``"fused": false``, the default: each layer quantizes its input, inductor fusing
   what it can). With each its GPU peak allocated during a run (the kept weights included).
 - ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
   pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
@@ -30,7 +30,7 @@ replace those of the result, the others stay, each naming its run. Three parts, 
 
 ``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward,
 and the GPU's busy time against the wall clock, of compiled fp16 + fast, fp8 (fast and exact
-accumulation), int8, and fp8 without the fused quantization.
+accumulation), int8, and fp8 with the fused quantization.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ SETTINGS = {
 COMPUTE_ROWS = {
     "pack compute fp16 (defaults)": {"compute": "fp16"},
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
-    "pack compute int8": {"compute": "int8"},
-    "pack compute fp8": {"compute": "fp8"},
+    "pack compute int8, fused quantization": {"compute": "int8", "fused": True},
+    "pack compute fp8, fused quantization": {"compute": "fp8", "fused": True},
     "pack compute int8, quantization unfused": {"compute": "int8", "fused": False},
     "pack compute fp8, quantization unfused": {"compute": "fp8", "fused": False},
 }
@@ -234,17 +234,17 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 
 
 def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
-    """A sampler row; ``"fused": False`` in ``options`` runs it with ``PIXART_LOWVRAM_FUSED_QUANT=0`` (without
-    the fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`)."""
+    """A sampler row; ``"fused"`` in ``options`` runs it with ``PIXART_LOWVRAM_FUSED_QUANT`` 1 (True: the
+    fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`) or 0 (False)."""
     from pixart_lowvram.core import sampler, vae
     from pixart_lowvram.core.pool import cache
 
     options = dict(options)
-    if options.get("fused") is False:
-        options.pop("fused")
-        with _unfused():
+    if "fused" in options:
+        fused = options.pop("fused")
+        with _fused(fused):
             return pack_row(source, prompts, options, quant_cache, decoder) | {
-                "options": {**options, "fused": False}
+                "options": {**options, "fused": fused}
             }
     torch._dynamo.reset()  # each row compiles its own blocks
 
@@ -272,10 +272,10 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
 
 
 @contextlib.contextmanager
-def _unfused():
+def _fused(fused: bool):
     from pixart_lowvram.core.quant import block
 
-    os.environ[block.VARIABLE] = "0"
+    os.environ[block.VARIABLE] = "1" if fused else "0"
     try:
         yield
     finally:
@@ -342,11 +342,11 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     from pixart_lowvram.core.pool import cache
 
     options = dict(options)
-    if options.get("fused") is False:
-        options.pop("fused")
-        with _unfused():
+    if "fused" in options:
+        fused = options.pop("fused")
+        with _fused(fused):
             return profile_row(source, prompts, options, quant_cache) | {
-                "options": {**options, "fused": False}
+                "options": {**options, "fused": fused}
             }
 
     embeds, seed = prompts[0]
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             "fp8": ({"compute": "fp8"}, True),
             "fp8, exact accumulation": ({"compute": "fp8"}, False),
             "int8": ({"compute": "int8"}, True),
-            "fp8, quantization unfused": ({"compute": "fp8", "fused": False}, True),
+            "fp8, fused quantization": ({"compute": "fp8", "fused": True}, True),
         }
         parts["profile"] = {"rows": {}}
         for name, (options, fast_accumulation) in rows.items():

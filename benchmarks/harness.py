@@ -8,9 +8,10 @@ file's (``git log -p benchmarks/results/NAME.json``). A benchmark whose runs may
 (``--only``) merges instead: the rows a run measures replace those of the same name, the others stay, and
 each row names the run that measured it (``runs``, oldest first).
 
-Where the tree is a copy without git (a GPU machine that receives the working tree only), the commit comes
-from ``$PIXART_LOWVRAM_BENCH_COMMIT`` and whether it had uncommitted changes from
-``$PIXART_LOWVRAM_BENCH_DIRTY`` (1 or 0), set where the copy was made.
+Where the tree is a copy (a GPU machine that receives the working tree), the commit comes from
+``$PIXART_LOWVRAM_BENCH_COMMIT`` and whether it had uncommitted changes from ``$PIXART_LOWVRAM_BENCH_DIRTY``
+(1 or 0), set where the copy was made; set, they win over a ``.git`` the copy may carry (an older one
+than its files).
 
 The tests' server support (tests/comfy_server.py, tests/server_sequence.py) is importable once this module
 is: the benchmarks start and drive ComfyUI servers as the tests do.
@@ -74,18 +75,18 @@ def git(*args: str) -> str | None:
 
 
 def checkout() -> dict:
-    """The commit the tree is at and whether its tracked files differ from it; from the environment where
-    the tree is not a git checkout."""
-    commit = git("rev-parse", "HEAD")
+    """The commit the tree is at and whether its tracked files differ from it: from the environment where
+    ``$PIXART_LOWVRAM_BENCH_COMMIT`` is set (a copy of the tree), else from git."""
+    given = os.environ.get(COMMIT_VARIABLE)
+    commit = None if given else git("rev-parse", "HEAD")
     if commit:
         status = git("status", "--porcelain", "--untracked-files=no")
         return {"commit": commit, "dirty": None if status is None else bool(status)}
-    given = os.environ.get(COMMIT_VARIABLE)
     dirty = os.environ.get(DIRTY_VARIABLE)
     return {
         "commit": given,
         "dirty": None if dirty is None else dirty not in ("0", ""),
-        "commit_note": f"from ${COMMIT_VARIABLE}: the tree was not a git checkout"
+        "commit_note": f"from ${COMMIT_VARIABLE}, set where the tree was copied"
         if given
         else f"not known: the tree was not a git checkout and ${COMMIT_VARIABLE} was not set",
     }

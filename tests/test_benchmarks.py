@@ -81,12 +81,22 @@ def test_the_stamp_names_this_checkout():
     assert stamp["comfyui"] is None
 
 
-def test_a_copy_without_git_takes_the_commit_from_the_environment(tmp_path):
-    """A GPU machine that receives the working tree without .git: the commit comes from the environment."""
+@pytest.mark.parametrize("with_git", [False, True], ids=["without git", "with an older git"])
+def test_a_copy_takes_the_commit_from_the_environment(tmp_path, with_git):
+    """A GPU machine that receives the working tree, without .git or with an older one than its files: the
+    commit comes from the environment."""
     (tmp_path / "benchmarks").mkdir()
     shutil.copy(BENCHMARKS / "harness.py", tmp_path / "benchmarks")
-    env = os.environ | {"PIXART_LOWVRAM_BENCH_COMMIT": "c" * 40, "PIXART_LOWVRAM_BENCH_DIRTY": "1"}
+    env = os.environ | {"PIXART_LOWVRAM_BENCH_COMMIT": "c" * 40, "PIXART_LOWVRAM_BENCH_DIRTY": "0"}
     env |= {"GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
+    if with_git:
+        for args in (("init", "-q"), ("add", "."), ("commit", "-qm", "older")):
+            subprocess.run(
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True, env=env
+            )
+        (tmp_path / "benchmarks" / "harness.py").write_text(
+            (tmp_path / "benchmarks" / "harness.py").read_text() + "\n", encoding="utf-8"
+        )
     done = subprocess.run(
         [sys.executable, str(tmp_path / "benchmarks" / "harness.py")],
         capture_output=True,
@@ -98,7 +108,7 @@ def test_a_copy_without_git_takes_the_commit_from_the_environment(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     stamp = json.loads(done.stdout)
-    assert (stamp["commit"], stamp["dirty"]) == ("c" * 40, True)
+    assert (stamp["commit"], stamp["dirty"]) == ("c" * 40, False)
     assert "PIXART_LOWVRAM_BENCH_COMMIT" in stamp["commit_note"]
 
 

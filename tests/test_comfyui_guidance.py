@@ -757,8 +757,8 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     """compute int8 on the MODEL: its forward's blocks are the sampler's fused ones, each 8-bit layer's
     input quantized by one fused op (counted), within the unfused blocks' own 8-bit error ``e`` of compute
     fp16's forward (``e`` measured here) and within 2e of the unfused forward (float32 here, where the fused
-    references may round as the unfused ops do: 0 allowed); ``PIXART_LOWVRAM_FUSED_QUANT=0`` gives the
-    unfused blocks."""
+    references may round as the unfused ops do: 0 allowed), with ``PIXART_LOWVRAM_FUSED_QUANT=1``; ``0``
+    gives the unfused blocks."""
     from pixart_lowvram.core.quant import block as fused_block
     from pixart_lowvram.core.quant import fused_kernels
     from pixart_lowvram.nodes.int8_model import forward as pack_forward
@@ -788,6 +788,7 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
         forward.reset()
         return out, [vars(block).get("forward") for block in forward.skeleton.transformer_blocks]
 
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
     full, plain = forward_of("fp16")
     assert calls == {}
     fused, switched = forward_of("int8")
@@ -812,3 +813,33 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     assert 0 < error < 0.05, error
     assert relative(fused, unfused) <= 2 * error
     assert relative(fused, full) <= 1.1 * error
+
+
+def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
+    comfy, tiny_folder, tmp_path_factory, monkeypatch
+):
+    """The MODEL's forward with its fused blocks compiled (as on a GPU: dynamic shapes, ComfyUI's caption as
+    long as its prompt) against the same forward eager, for two caption lengths: the same arithmetic, so
+    within float32 rounding and the odd 8-bit rounding step it moves."""
+    from pixart_lowvram.core.quant import block as fused_block
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
+    model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
+    eager = model.object_patches[pack_forward.OBJECT]
+    compiled = pack_forward.PackForward(
+        model.model.diffusion_model, eager.config, eager.unet_config, "int8", compiled=True
+    )
+    generator = torch.Generator().manual_seed(9)
+    x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])
+    for tokens in (40, 52):
+        y = torch.randn(2, 1, tokens, caption_width(model), generator=generator)
+        with torch.inference_mode():
+            expected, got = eager(x, timestep, y), compiled(x, timestep, y)
+        difference = float((got.double() - expected.double()).norm() / expected.double().norm())
+        assert difference < 1e-3, f"{tokens} tokens: {difference}"
+    assert all(
+        vars(block)["forward"].__class__.__name__ != "method"
+        for block in compiled.skeleton.transformer_blocks
+    )  # compiled wrappers around the fused forward
+    eager.reset(), compiled.reset()

@@ -14,6 +14,7 @@ fused path with its feed-forward's output halved (a gate applied twice) is 17e a
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -36,9 +37,13 @@ def blocks(request, tiny):
     settings = sampler.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute=path
     )
-    model = sampler.prepare(
-        quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
-    )
+    os.environ[fused_block.VARIABLE] = "1"  # the sampler's prepare switches the blocks only when asked
+    try:
+        model = sampler.prepare(
+            quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
+        )
+    finally:
+        del os.environ[fused_block.VARIABLE]
     block = model.transformer_blocks[0]
     unquantized = copy.deepcopy(block).float()
     fused_block.unuse_fused([unquantized])
@@ -163,7 +168,7 @@ def test_use_fused_switches_pixart_blocks_only_and_unuse_fused_switches_back():
     assert "forward" not in vars(pixart)  # nothing switched
 
 
-def test_the_sampler_fuses_unless_told_not_to_and_a_bad_setting_is_one_line(tiny, monkeypatch):
+def test_the_sampler_fuses_only_when_asked_and_a_bad_setting_is_one_line(tiny, monkeypatch):
     settings = sampler.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute="int8"
     )
@@ -176,10 +181,10 @@ def test_the_sampler_fuses_unless_told_not_to_and_a_bad_setting_is_one_line(tiny
         return model.transformer_blocks[0]
 
     monkeypatch.delenv(fused_block.VARIABLE, raising=False)
-    assert vars(first_block("int8"))["forward"].__func__ is fused_block.fused_forward  # on by default
+    assert "forward" not in vars(first_block("int8"))  # off by default: diffusers' forward
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
+    assert vars(first_block("int8"))["forward"].__func__ is fused_block.fused_forward
     assert "forward" not in vars(first_block("fp16"))  # fp16 compute: diffusers' forward
-    monkeypatch.setenv(fused_block.VARIABLE, "0")
-    assert "forward" not in vars(first_block("int8"))
     monkeypatch.setenv(fused_block.VARIABLE, "yes")
     with pytest.raises(ValueError, match=r"^PIXART_LOWVRAM_FUSED_QUANT='yes' is not a setting; set it to 1"):
         fused_block.wanted()
@@ -201,6 +206,7 @@ def test_a_compiled_run_after_one_with_a_lora_gives_the_first_runs_latents(
         tiny, width=128, height=128, steps=2, seed=7, device="cpu", quantization="qint8", compute="int8",
         fast=True,
     )  # fmt: skip
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
     first = sampler.sample(settings, reference.embeds)
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
     sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path),)), reference.embeds)

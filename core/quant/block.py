@@ -34,18 +34,20 @@ from .quanto import ScaledWeightLinear
 PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 
 
-# The sampler runs the fused blocks unless this is 0. On an H100 (2026-12-06, docs/BENCHMARKS.md, compute)
-# 20 fp8 steps at 1024² took 0.65 s fused against 0.71 s unfused in one run (diffusers' fp16 model 0.80 s).
+# The blocks run fused only when this is 1. Their kernels take less GPU time than the quantization inductor
+# fuses into the ops before it, but each is an operator inductor calls through the dispatcher into Python
+# (six a block), and on an H100 a run of 20 fp8 steps at 1024² was faster without them (2026-12-06,
+# docs/BENCHMARKS.md, compute: 1.10 s fused, 0.92 s unfused).
 VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
 
 
 def wanted() -> bool:
-    """Whether the fused blocks run: ``PIXART_LOWVRAM_FUSED_QUANT`` unset or ``1``; ``0`` turns them off."""
-    value = os.environ.get(VARIABLE, "1").strip()
+    """Whether ``PIXART_LOWVRAM_FUSED_QUANT`` asks for the fused blocks (``1``; ``0`` or unset: not)."""
+    value = os.environ.get(VARIABLE, "0").strip()
     if value not in ("0", "1"):
         raise ValueError(
-            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels, the "
-            "default) or 0 (off), or unset it."
+            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels) or 0 "
+            "(off, the default), or unset it."
         )
     return value == "1"
 
