@@ -815,16 +815,17 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     assert relative(fused, full) <= 1.1 * error
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
 def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
-    comfy, tiny_folder, tmp_path_factory, monkeypatch
+    comfy, tiny_folder, tmp_path_factory, monkeypatch, fused
 ):
-    """The MODEL's forward with its fused blocks compiled (as on a GPU: dynamic shapes, ComfyUI's caption as
-    long as its prompt) against the same forward eager, for two caption lengths: the same arithmetic, so
-    within float32 rounding and the odd 8-bit rounding step it moves."""
+    """The MODEL's forward with its blocks compiled (as on a GPU: dynamic shapes, ComfyUI's caption as long
+    as its prompt), fused or not, against the same forward eager, for two caption lengths: the same
+    arithmetic, so within float32 rounding and the odd 8-bit rounding step it moves."""
     from pixart_lowvram.core.quant import block as fused_block
     from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
-    monkeypatch.setenv(fused_block.VARIABLE, "1")
+    monkeypatch.setenv(fused_block.VARIABLE, fused)
     model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
     eager = model.object_patches[pack_forward.OBJECT]
     compiled = pack_forward.PackForward(

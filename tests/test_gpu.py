@@ -479,19 +479,24 @@ def test_step_cache_on_cuda_bounded_and_nothing_left(tiny, reference, cuda, capl
     assert torch.equal(sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds), uncached)
 
 
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["unfused", "fused"])
 @pytest.mark.parametrize("compute", ["int8", "fp8"])
 def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
-    tiny, tiny_folder, reference, cuda, tmp_path, compute
+    tiny, tiny_folder, reference, cuda, tmp_path, monkeypatch, compute, fused
 ):
-    """Each 8-bit compute path compiled with inductor on the GPU: latents close to the fp16 path's, the same
-    bits twice, a LoRA beside the 8-bit products changes them and strength 0 gives them back, and after the
-    runs and Free VRAM's call the GPU holds what it held before."""
+    """Each 8-bit compute path compiled with inductor on the GPU, with and without the fused quantization
+    kernels: latents close to the fp16 path's, the same bits twice, a LoRA beside the 8-bit products changes
+    them and strength 0 gives them back, and after the runs and Free VRAM's call the GPU holds what it held
+    before."""
     import dataclasses
 
     from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora
     from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import block as fused_block
     from pixart_lowvram.core.quant import compute as compute_paths
+
+    monkeypatch.setenv(fused_block.VARIABLE, fused)
 
     if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
         pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")
