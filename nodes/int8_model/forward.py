@@ -22,7 +22,7 @@ a ComfyUI attention call earlier in the process left torch's backends in; the cr
 counts what a new key length costs, since ComfyUI's conditioning is as long as its prompt.
 
 ComfyUI's own ``forward_orig`` still runs where this one would differ: a PixArt-α model with micro
-conditions, a mask, or a position-embedding interpolation ComfyUI works out per image."""
+conditions, a mask, or a position-embedding interpolation ComfyUI works out per image (uncompiled there)."""
 
 from __future__ import annotations
 
