@@ -147,6 +147,24 @@ def load_spy(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
     return spy
 
 
+@pytest.fixture
+def fused_op_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How many times each fused quantization op (core.quant.fused_kernels: quantize_rows,
+    norm_modulate_quantize, gelu_quantize) was called; clear it to count afresh."""
+    from pixart_lowvram.core.quant import fused_kernels
+
+    counted: dict[str, int] = {}
+    for name in ("quantize_rows", "norm_modulate_quantize", "gelu_quantize"):
+        op = getattr(fused_kernels, name)
+
+        def spy(*args, _op=op, _name=name, **kwargs):
+            counted[_name] = counted.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(fused_kernels, name, spy)
+    return counted
+
+
 def comfyui_checkout_problem() -> str | None:
     path = os.environ.get("COMFYUI_PATH")
     if not path:

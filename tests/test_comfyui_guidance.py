@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tolerances import GUIDANCE_COSINE
+from tolerances import GUIDANCE_COSINE, relative_error
 
 from pixart_lowvram.cli.random_model import build_random_pixart, save_single_file_transformer
 from pixart_lowvram.core.models import resolve_model
@@ -752,7 +752,7 @@ def test_ksamplers_attention_on_the_model_runs_through_the_choice(comfy, pack_mo
 
 
 def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
-    comfy, tiny_folder, tmp_path_factory, monkeypatch
+    comfy, tiny_folder, tmp_path_factory, monkeypatch, fused_op_calls
 ):
     """compute int8 on the MODEL: its forward's blocks are the sampler's fused ones, each 8-bit layer's
     input quantized by one fused op (counted), within the unfused blocks' own 8-bit error ``e`` of compute
@@ -760,18 +760,9 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     references may round as the unfused ops do: 0 allowed), with ``PIXART_LOWVRAM_FUSED_QUANT=1``; ``0``
     gives the unfused blocks."""
     from pixart_lowvram.core.quant import block as fused_block
-    from pixart_lowvram.core.quant import fused_kernels
     from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
-    calls: dict[str, int] = {}
-    for name in ("quantize_rows", "norm_modulate_quantize", "gelu_quantize"):
-        op = getattr(fused_kernels, name)
-
-        def spy(*args, _op=op, _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-
-        monkeypatch.setattr(fused_kernels, name, spy)
+    calls = fused_op_calls
     generator = torch.Generator().manual_seed(5)
     x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])
     y = None
@@ -806,13 +797,10 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     assert plain == unswitched == [None] * blocks
     assert [method.__func__ for method in switched] == [fused_block.fused_forward] * blocks
 
-    def relative(a, b) -> float:
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
-    error = relative(unfused, full)
+    error = relative_error(unfused, full)
     assert 0 < error < 0.05, error
-    assert relative(fused, unfused) <= 2 * error
-    assert relative(fused, full) <= 1.1 * error
+    assert relative_error(fused, unfused) <= 2 * error
+    assert relative_error(fused, full) <= 1.1 * error
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
@@ -837,7 +825,7 @@ def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
         y = torch.randn(2, 1, tokens, caption_width(model), generator=generator)
         with torch.inference_mode():
             expected, got = eager(x, timestep, y), compiled(x, timestep, y)
-        difference = float((got.double() - expected.double()).norm() / expected.double().norm())
+        difference = relative_error(got, expected)
         assert difference < 1e-3, f"{tokens} tokens: {difference}"
     assert all(
         vars(block)["forward"].__class__.__name__ != "method"

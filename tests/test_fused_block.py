@@ -19,10 +19,11 @@ import os
 import pytest
 import torch
 from diffusers.models.attention import BasicTransformerBlock
+from tolerances import relative_error
 
 from pixart_lowvram.core import sampler
 from pixart_lowvram.core.quant import block as fused_block
-from pixart_lowvram.core.quant import compute, fused_kernels, quanto
+from pixart_lowvram.core.quant import compute, quanto
 from pixart_lowvram.core.transformer import quantized_transformer
 
 PATHS = ("int8", "fp8")
@@ -67,25 +68,6 @@ def _inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, dict]:
     return x.to(DTYPE), {key: value.to(DTYPE) for key, value in kwargs.items()}
 
 
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.double() - expected.double()).norm() / expected.double().norm())
-
-
-@pytest.fixture
-def calls(monkeypatch) -> dict[str, int]:
-    """How many times the block called each fused op."""
-    counted: dict[str, int] = {}
-    for name in ("quantize_rows", "norm_modulate_quantize", "gelu_quantize"):
-        op = getattr(fused_kernels, name)
-
-        def spy(*args, _op=op, _name=name, **kwargs):
-            counted[_name] = counted.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-
-        monkeypatch.setattr(fused_kernels, name, spy)
-    return counted
-
-
 def _changes(block, unquantized, x, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the fused, the unfused and the unquantized block add to ``x`` (the residual taken out: it is
     the same in all three)."""
@@ -95,18 +77,18 @@ def _changes(block, unquantized, x, kwargs) -> tuple[torch.Tensor, torch.Tensor,
     return fused, unfused, full
 
 
-def test_the_fused_block_is_the_unfused_8bit_block_within_its_8bit_error(blocks, calls):
+def test_the_fused_block_is_the_unfused_8bit_block_within_its_8bit_error(blocks, fused_op_calls):
     path, block, unquantized = blocks
     assert block.forward.__func__ is fused_block.fused_forward  # the sampler's prepare switched it
     x, kwargs = _inputs(tokens=64)
     fused, unfused, full = _changes(block, unquantized, x, kwargs)
     # q/k/v and ff1 from the norm + modulation, ff2 from the GELU, both output projections and the
     # cross-attention's query from a plain quantization.
-    assert calls == {"norm_modulate_quantize": 2, "gelu_quantize": 1, "quantize_rows": 3}
-    error = _relative(unfused, full)
+    assert fused_op_calls == {"norm_modulate_quantize": 2, "gelu_quantize": 1, "quantize_rows": 3}
+    error = relative_error(unfused, full)
     assert 0 < error < {"int8": 0.04, "fp8": 0.1}[path], error
-    assert 0 < _relative(fused, unfused) <= 2 * error
-    assert _relative(fused, full) <= 1.1 * error
+    assert 0 < relative_error(fused, unfused) <= 2 * error
+    assert relative_error(fused, full) <= 1.1 * error
 
 
 def test_the_bound_catches_a_fused_block_without_its_gate(blocks, monkeypatch):
@@ -116,10 +98,10 @@ def test_the_bound_catches_a_fused_block_without_its_gate(blocks, monkeypatch):
     feed_forward = fused_block._feed_forward
     monkeypatch.setattr(fused_block, "_feed_forward", lambda *args: feed_forward(*args) / 2)
     halved = block(x, **kwargs) - x
-    assert _relative(halved, unfused) > 2 * _relative(unfused, full)
+    assert relative_error(halved, unfused) > 2 * relative_error(unfused, full)
 
 
-def test_a_lora_branch_takes_its_layers_input_unfused(blocks, calls):
+def test_a_lora_branch_takes_its_layers_input_unfused(blocks, fused_op_calls):
     """A LoRA on ``to_k``: q, k and v take the modulated bf16 input (the branch needs it), the other inputs
     stay fused; the LoRA moves the output as it moves the unfused block's."""
     _path, block, unquantized = blocks
@@ -128,26 +110,26 @@ def test_a_lora_branch_takes_its_layers_input_unfused(blocks, calls):
     up, down = torch.randn(64, 4, generator=generator), torch.randn(4, 64, generator=generator)
     key = block.attn1.to_k
     without = block(x, **kwargs)
-    calls.clear()
+    fused_op_calls.clear()
     key.low_rank = (compute.LowRank(up.to(DTYPE), down.to(DTYPE), 0.5),)
     unquantized.attn1.to_k.low_rank = (compute.LowRank(up, down, 0.5),)
     try:
         fused, unfused, full = _changes(block, unquantized, x, kwargs)
     finally:
         key.low_rank = unquantized.attn1.to_k.low_rank = ()
-    assert calls == {"norm_modulate_quantize": 1, "gelu_quantize": 1, "quantize_rows": 3}
-    error = _relative(unfused, full)
-    assert _relative(fused, unfused) <= 2 * error
-    assert _relative(fused, full) <= 1.1 * error
-    assert _relative(fused + x, without) > error  # the branch is there
+    assert fused_op_calls == {"norm_modulate_quantize": 1, "gelu_quantize": 1, "quantize_rows": 3}
+    error = relative_error(unfused, full)
+    assert relative_error(fused, unfused) <= 2 * error
+    assert relative_error(fused, full) <= 1.1 * error
+    assert relative_error(fused + x, without) > error  # the branch is there
 
 
-def test_few_rows_take_diffusers_forward_bit_for_bit(blocks, calls):
+def test_few_rows_take_diffusers_forward_bit_for_bit(blocks, fused_op_calls):
     """16 tokens of a batch of 2: 32 rows, MIN_ROWS, so every layer takes its fp16 path."""
     _path, block, _unquantized = blocks
     x, kwargs = _inputs(tokens=compute.MIN_ROWS // 2)
     assert torch.equal(block(x, **kwargs), BasicTransformerBlock.forward(block, x, **kwargs))
-    assert calls == {}
+    assert fused_op_calls == {}
 
 
 def test_use_fused_switches_pixart_blocks_only_and_unuse_fused_switches_back():

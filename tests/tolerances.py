@@ -77,3 +77,8 @@ def tolerance(expected: torch.Tensor, *, network: bool = False) -> dict[str, flo
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, network: bool = False, msg=None) -> None:
     """torch.testing.assert_close with :func:`tolerance`'s bound (same shape, dtype and device too)."""
     torch.testing.assert_close(actual, expected, **tolerance(expected, network=network), msg=msg)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``‖got − expected‖ / ‖expected‖``, in float64."""
+    return float((got.double() - expected.double()).norm() / expected.double().norm())
