@@ -422,13 +422,13 @@ def settle(
     forward traces them; nothing where they are made already, nothing on the CPU."""
     if device.type != "cuda":
         return
-    device = torch.empty(0, device=device).device  # with its index, as the tensors' device has it
+    if device.index is None:  # with its index, as the tensors' device has it
+        device = torch.device(device.type, torch.cuda.current_device())
     for kind, mask_kind in (("self", False), ("cross", masked)):
         if (device, kind, mask_kind, dtype) in CHOOSER.made:
             continue
         width = queries if kind == "self" else keys
-        q, k, v, mask = inputs(batch, heads, queries, width, head_dim, mask_kind, device, dtype)
-        CHOOSER.choose(kind, q, k, v, mask if mask_kind else None)
+        CHOOSER.choose(kind, *inputs(batch, heads, queries, width, head_dim, mask_kind, device, dtype))
 
 
 @torch.no_grad()

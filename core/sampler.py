@@ -553,20 +553,19 @@ def _step_cache(transformer, threshold: float, steps: int) -> Iterator[None]:
     )
 
 
-def _settle_attention(transformer, latents: torch.Tensor, embeds, settings: SamplerSettings) -> None:
-    """The attention choices for a compiled run, made before its blocks are traced
-    (:func:`.attention.settle`) at its shapes: the latents' patches (both halves of the guidance batch)
-    and the caption's tokens."""
-    config = transformer.config
-    guided = 2 if settings.cfg > 1 else 1
+def settle_attention(config, device, dtype, batch: int, height: int, width: int, keys: int, masked: bool):
+    """The attention choices for a compiled run of a transformer of ``config`` (:func:`.attention.settle`),
+    made before its blocks are traced, at its shapes: ``batch`` items of ``height`` × ``width`` latents
+    (their patches the queries) and ``keys`` caption tokens, ``masked`` or not."""
     attention.settle(
-        settings.device,
-        settings.dtype,
-        batch=latents.shape[0] * guided,
+        device,
+        dtype,
+        batch=batch,
         heads=config.num_attention_heads,
         head_dim=config.attention_head_dim,
-        queries=(latents.shape[-2] // config.patch_size) * (latents.shape[-1] // config.patch_size),
-        keys=embeds.prompt_embeds.shape[1],
+        queries=(height // config.patch_size) * (width // config.patch_size),
+        keys=keys,
+        masked=masked,
     )
 
 
@@ -692,7 +691,12 @@ def _sample(
                 on_progress(step + 1, total, latents)
 
         if settings.compiled:
-            _settle_attention(transformer, latents, embeds, settings)
+            # Both halves of the guidance batch; the padded caption's mask.
+            guided = 2 if settings.cfg > 1 else 1
+            settle_attention(
+                transformer.config, device, dtype, latents.shape[0] * guided, *latents.shape[-2:],
+                keys=embeds.prompt_embeds.shape[1], masked=True,
+            )  # fmt: skip
         try:
             latents = pipe(
                 negative_prompt=None,

@@ -190,14 +190,12 @@ class PackForward:
             self.made_for = (x.device, x.dtype)
         self.place(*x.shape[-2:], x.device)
         if self.compiled:  # the attention's choices before the blocks trace (ComfyUI's caption: no mask)
-            config, patch = self.skeleton.config, self.skeleton.config.patch_size
-            attention.settle(
+            sampler_stage.settle_attention(
+                self.skeleton.config,
                 x.device,
                 x.dtype,
-                batch=x.shape[0],
-                heads=config.num_attention_heads,
-                head_dim=config.attention_head_dim,
-                queries=(x.shape[-2] // patch) * (x.shape[-1] // patch),
+                x.shape[0],
+                *x.shape[-2:],
                 keys=y.shape[-2],
                 masked=False,
             )
