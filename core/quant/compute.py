@@ -10,7 +10,8 @@ product (:class:`.quanto.ScaledWeightLinear`). It stores 8 bits and computes 16.
 result. ``fp8``: the same with float8 e4m3 weight and activation (absmax / 448 per token) and
 ``torch._scaled_mm``, which applies the per-token and per-row scales and the bias in its epilogue and
 writes the activation's dtype (fp8 tensor cores: Ada, Hopper and newer). An int8 weight becomes e4m3
-once, when the layer is set to compute in fp8: its integers are exact up to 16 in e4m3 and within 1/16 of their value above, with the same per-row scale.
+once, when the layer is set to compute in fp8: its integers are exact up to 16 in e4m3 and within 1/16 of
+their value above, with the same per-row scale.
 
 The activation's quantization is an absmax over each row and a division, which pays only when it runs
 inside the kernel that made the activation (the norm and modulation before the attention's and

@@ -200,10 +200,11 @@ def load(
 ) -> comfy.model_patcher.ModelPatcher:
     """The transformer of ``transformer`` (its model folder or file, scheme and quantized cache) as a ComfyUI
     MODEL holding its quantized weights, computing its forward with diffusers' blocks (:mod:`.forward`,
-    compiled for an 8-bit compute on a GPU), batching its guidance (:mod:`.guidance`), adding LoRA patches during a run (:mod:`.lora`) and
-    refusing images too small for ComfyUI's PixArt before sampling (:func:`refuse_small`). Without
-    ``keep_loaded`` ComfyUI unloads it after each run (:func:`~.residence.release_after`), its layers'
-    tensors waiting in their page-locked host copies (:class:`~.residence.HostCopies`).
+    compiled for an 8-bit compute on a GPU), batching its guidance (:mod:`.guidance`), adding LoRA patches
+    during a run (:mod:`.lora`) and refusing images too small for ComfyUI's PixArt before sampling
+    (:func:`refuse_small`). Without ``keep_loaded`` ComfyUI unloads it after each run
+    (:func:`~.residence.release_after`), its layers' tensors waiting in their page-locked host copies
+    (:class:`~.residence.HostCopies`).
 
     A plain ``ModelPatcher``, also where Dynamic VRAM makes ``CoreModelPatcher`` its own (v0.33): Dynamic
     VRAM streams ComfyUI's cast operations only, and loads every other layer whole from the backups it keeps
