@@ -3,7 +3,9 @@ machine, with COMFYUI_PATH): a real ComfyUI server started without --cpu, so wit
 (Dynamic VRAM on where it has it, e.g. v0.33.0), runs the ComfyUI sequence's steps (server_sequence.py) on the tiny
 model — the pack loads, every bundled API workflow, keep_loaded prompts, POST /free, a third prompt, Cancel
 during sampling and a prompt after it, a core VAE after kept pack models, /free again — and the allocated
-memory after each /free is back to the level before the first prompt.
+memory after each /free is back to the level before the first prompt. And ComfyUI as a library on the GPU:
+the int8 MODEL's 8-bit computes (int8, fp8; fused quantization on and off) under KSampler's sampling,
+close to its fp16 compute, with a LoRA through ComfyUI's loading, and nothing left once unloaded.
 
 Skipped without CUDA (it is in the comfyui tier too, which runs on CPU machines).
 """
@@ -65,3 +67,89 @@ def test_allocated_after_free_is_back_to_the_level_before_the_first_prompt(seque
     check = sequence["memory_check"]
     assert check["passed"] is True, check["detail"]
     assert set(check["after_mib"]) == {"/free", "final /free"}
+
+
+# ---- the int8 MODEL's 8-bit compute under KSampler, on the GPU --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def comfy_cuda():
+    """ComfyUI importable as a library on the GPU (no --cpu): KSampler's sampling and its LoRA loading."""
+    import os
+    import sys
+    from pathlib import Path
+
+    saved_path = list(sys.path)
+    sys.path.insert(0, str(Path(os.environ["COMFYUI_PATH"]).resolve()))
+    try:
+        import comfy.model_management
+        import comfy.sample
+        import comfy.sd
+        import comfy.utils
+
+        yield comfy
+    finally:
+        sys.path[:] = saved_path
+
+
+def _ksampler(comfy, model, size: int = 272, seed: int = 5) -> torch.Tensor:
+    """KSampler's sampling (what its node calls) on ``model``: a 40-token prompt and a one-token negative."""
+    width = model.model.model_config.unet_config.get("caption_channels", 4096)
+    generator = torch.Generator().manual_seed(1)
+    positive = [[torch.randn(1, 40, width, generator=generator), {}]]
+    negative = [[torch.randn(1, 1, width, generator=generator), {}]]
+    latent = torch.zeros(1, 4, size // 8, size // 8)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():
+        return comfy.sample.sample(
+            model, noise, 4, 4.5, "euler", "normal", positive, negative, latent, seed=seed
+        ).float()
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
+@pytest.mark.parametrize("compute", ["int8", "fp8"])
+def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothing_left(
+    comfy_cuda, tiny_folder, tmp_path, monkeypatch, compute, fused
+):
+    """The int8 Model Loader's MODEL with an 8-bit compute under KSampler on the GPU (its blocks compiled,
+    with and without the fused quantization kernels): latents close to the same MODEL's fp16 compute, the
+    same bits twice, a LoRA through ComfyUI's own loading changes them and strength 0 gives them back, and
+    once ComfyUI unloads its models and the pack frees its own the GPU holds what it held before."""
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core.models import resolve_model
+    from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import block as fused_block
+    from pixart_lowvram.core.quant import compute as compute_paths
+    from pixart_lowvram.core.transformer import TransformerSettings
+    from pixart_lowvram.nodes import int8_model
+
+    comfy = comfy_cuda
+    cuda = comfy.model_management.get_torch_device()
+    if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
+        pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")
+    monkeypatch.setenv(fused_block.VARIABLE, fused)
+    before = torch.cuda.memory_allocated(cuda)
+
+    def model(choice: str):
+        settings = TransformerSettings(
+            resolve_model(str(tiny_folder)), device=cuda, compute=choice, quant_cache=tmp_path / "quantized"
+        )
+        return int8_model.load(settings, keep_loaded=False)
+
+    fp16 = _ksampler(comfy, model("fp16"))
+    eight = model(compute)
+    first = _ksampler(comfy, eight)
+    assert torch.equal(first, _ksampler(comfy, eight))
+    cosine = torch.nn.functional.cosine_similarity(first.flatten(), fp16.flatten(), dim=0).item()
+    assert 0.99 < cosine < 1, cosine
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
+    state = comfy.utils.load_torch_file(str(path), safe_load=True)
+    on = _ksampler(comfy, comfy.sd.load_lora_for_models(eight, None, state, 1.0, 0)[0])
+    off = _ksampler(comfy, comfy.sd.load_lora_for_models(eight, None, state, 0.0, 0)[0])
+    assert torch.nn.functional.cosine_similarity(on.flatten(), first.flatten(), dim=0).item() < 0.9999
+    assert torch.equal(off, first)
+    del eight
+    comfy.model_management.unload_all_models()
+    free_all()
+    comfy.model_management.soft_empty_cache()
+    assert torch.cuda.memory_allocated(cuda) <= before
