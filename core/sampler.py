@@ -576,16 +576,34 @@ FAST_FIX = (
 )
 
 
-def compile_blocks(blocks: torch.nn.ModuleList, dynamic: bool | None = False) -> None:
+def compile_blocks(blocks: torch.nn.ModuleList, captions_vary: bool = False) -> None:
     """``torch.compile`` each block's forward (the hooks around it stay eager). The blocks share their
-    code, so all 28 run on two compiled graphs (the first block's input comes transposed from the patch
-    embedding); a new image size compiles once more. ``dynamic``: torch.compile's (None: shapes that
-    change between calls compile once more as dynamic ones)."""
+    code and the first takes its input as the others do (:func:`_as_blocks_take`), so all 28 run on one
+    compiled graph; a new image size compiles once more. ``captions_vary``: the caption's length is dynamic
+    from the first compile (ComfyUI's conditioning is as long as its prompt), so every length runs that one
+    graph, and a prompt gives the same image whatever ran before it; otherwise (the sampler's caption, padded
+    to a fixed length) every shape is static."""
     try:
         for block in blocks:
-            block.forward = torch.compile(block.forward, backend=COMPILE_BACKEND, dynamic=dynamic)
+            block.forward = torch.compile(
+                block.forward, backend=COMPILE_BACKEND, dynamic=None if captions_vary else False
+            )
     except Exception as exc:  # the compiler's own imports (a torch build without a working inductor)
         raise compile_failed(exc) from exc
+    blocks[0].register_forward_pre_hook(functools.partial(_as_blocks_take, captions_vary), with_kwargs=True)
+
+
+def _as_blocks_take(captions_vary: bool, _block, args: tuple, kwargs: dict):
+    """The first block's pre-hook: its hidden states row-major, as every other block takes them (the patch
+    embedding's come transposed: a graph of their own, where inductor laid the 8-bit activations of the
+    first block out column-major, which ``torch._int_mm`` refuses on CUDA unless the rows are a multiple of
+    4), and with ``captions_vary`` the caption's length marked dynamic."""
+    if captions_vary and kwargs.get("encoder_hidden_states") is not None:
+        torch._dynamo.maybe_mark_dynamic(kwargs["encoder_hidden_states"], 1)
+    hidden = args[0]
+    if hidden.is_contiguous():
+        return None
+    return (hidden.contiguous(), *args[1:]), kwargs
 
 
 def compile_failed(exc: BaseException) -> RuntimeError:

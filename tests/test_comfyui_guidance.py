@@ -803,6 +803,39 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
     assert relative_error(fused, full) <= 1.1 * error
 
 
+def test_the_compiled_models_captions_of_every_length_run_one_graph(
+    comfy, tiny_folder, tmp_path_factory, monkeypatch
+):
+    """ComfyUI's caption is as long as its prompt: the compiled MODEL's blocks trace one graph for every
+    length (the caption's length dynamic from the first call, the first block's input row-major as the
+    others'), so a prompt never waits for a compile after the first, nor runs another graph than before."""
+    from pixart_lowvram.core import sampler
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr(sampler, "COMPILE_BACKEND", backend)
+    torch._dynamo.reset()
+    model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
+    eager = model.object_patches[pack_forward.OBJECT]
+    compiled = pack_forward.PackForward(
+        model.model.diffusion_model, eager.config, eager.unet_config, "int8", compiled=True
+    )
+    x, timestep = torch.randn(2, 4, 34, 34), torch.tensor([999.0, 421.0])
+    try:
+        for tokens in (40, 52, 23):  # each over MIN_ROWS rows: the 8-bit path for the caption's projections
+            with torch.inference_mode():
+                compiled(x, timestep, torch.randn(2, 1, tokens, caption_width(model)))
+        assert len(graphs) == 1
+    finally:
+        compiled.reset()
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])
 def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
     comfy, tiny_folder, tmp_path_factory, monkeypatch, fused
@@ -821,12 +854,17 @@ def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
     )
     generator = torch.Generator().manual_seed(9)
     x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])
-    for tokens in (40, 52):
-        y = torch.randn(2, 1, tokens, caption_width(model), generator=generator)
+    captions = {
+        tokens: torch.randn(2, 1, tokens, caption_width(model), generator=generator) for tokens in (40, 52)
+    }
+    outputs = []
+    for tokens in (40, 52, 40):
         with torch.inference_mode():
-            expected, got = eager(x, timestep, y), compiled(x, timestep, y)
+            expected, got = eager(x, timestep, captions[tokens]), compiled(x, timestep, captions[tokens])
         difference = relative_error(got, expected)
         assert difference < 1e-3, f"{tokens} tokens: {difference}"
+        outputs.append(got)
+    assert torch.equal(outputs[2], outputs[0])  # a caption's output whatever length ran before it
     assert all(
         vars(block)["forward"].__class__.__name__ != "method"
         for block in compiled.skeleton.transformer_blocks

@@ -148,9 +148,9 @@ def test_compiled_blocks_give_the_eager_latents_and_a_reload_compiles_nothing(ti
 
 
 def test_all_blocks_share_their_graphs(tiny, graphs):
-    """Two graphs however many blocks: the first block's input comes transposed from the patch embedding,
-    the others get the previous block's contiguous output. A second call of the same size traces
-    nothing."""
+    """One graph however many blocks: the first block's input, which comes transposed from the patch
+    embedding, is made row-major as the others' are (inductor laid out its 8-bit activations column-major,
+    which torch._int_mm refuses on CUDA at some sizes). A second call of the same size traces nothing."""
     from diffusers import PixArtTransformer2DModel
 
     from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, choose
@@ -170,9 +170,9 @@ def test_all_blocks_share_their_graphs(tiny, graphs):
     }
     with torch.no_grad():
         first = model(**inputs).sample
-        assert len(graphs) == 2
+        assert len(graphs) == 1
         torch.testing.assert_close(model(**inputs).sample, first, rtol=0, atol=0)
-    assert len(graphs) == 2
+    assert len(graphs) == 1
 
 
 def test_a_compiler_failure_names_the_fast_option(tiny, reference, monkeypatch):

@@ -48,8 +48,8 @@ class PackForward:
     """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers. With an
     8-bit ``compute`` its blocks quantize each layer's input with the op before it, as the sampler's do
     (:func:`~...core.quant.block.use_fused`); ``compiled``: the blocks run compiled (the sampler's
-    :func:`~...core.sampler.compile_blocks`, with dynamic shapes: ComfyUI's conditioning is as long as its
-    prompt)."""
+    :func:`~...core.sampler.compile_blocks`, the caption's length dynamic: ComfyUI's conditioning is
+    as long as its prompt)."""
 
     def __init__(
         self,
@@ -104,7 +104,7 @@ class PackForward:
         if compute != compute_paths.FP16 and fused_block.wanted():
             fused_block.use_fused(blocks, compute)
         if compiled:
-            sampler_stage.compile_blocks(blocks, dynamic=None)
+            sampler_stage.compile_blocks(blocks, captions_vary=True)
         # The position embedding is made for each image's size, on its device, once a run (:meth:`place`);
         # the native size's buffer is not kept.
         patches = skeleton.pos_embed

@@ -74,8 +74,9 @@ class RunPatches:
                 layer.low_rank = branches
             else:
                 layer.weight_patch = _Fold(branches) if branches else None
-        if factors:
-            logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", len(factors))
+        carrying = sum(1 for branches in factors.values() if branches is None or branches)
+        if carrying:
+            logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", carrying)
         dense = quanto.dense_bytes(patcher.model)
         if device.type != "cuda" or not dense:
             return
@@ -125,11 +126,15 @@ def _plain_lora(patch: tuple) -> bool:
 def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRank, ...] | None:
     """A layer's ComfyUI patches as low-rank factors when every one is a plain LoRA (:func:`_plain_lora`),
     each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``. None when a patch is of
-    another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1)."""
+    another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1). A patch of strength 0
+    changes nothing and is left out, as the sampler leaves out a LoRA of strength 0: the layer then runs as
+    without it (the same compiled graph, so the same bits)."""
     if not all(_plain_lora(patch) for patch in patches):
         return None
     branches = []
     for strength, adapter, _strength_model, offset, _function in patches:
+        if strength == 0:
+            continue
         up, down, alpha = adapter.weights[:3]
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
