@@ -312,7 +312,8 @@ def write(
 
 def merged(previous: dict | None, rows: dict, run: dict, key: str = "rows") -> dict:
     """``runs`` and ``key``: the previous result's rows that ``rows`` does not measure again, each with its
-    run, then (in the previous order, new names last) the rows of this ``run``."""
+    run, then (in the previous order, new names last) the rows of this ``run``. The runs keep their order
+    (this one last), so a row's run number changes only where an earlier run no longer names a row."""
     previous = previous or {}
     # A result written without runs was measured by one: its own stamp's.
     alone = {key: previous[key] for key in ("stamp", "arguments", "command") if key in previous}
@@ -321,11 +322,12 @@ def merged(previous: dict | None, rows: dict, run: dict, key: str = "rows") -> d
     for row in kept.values():
         row["run"] = runs[row.get("run", 0)]
     kept |= {name: {**row, "run": run} for name, row in rows.items()}
+    named = [row["run"] for row in kept.values()]
     ordered: list[dict] = []
-    for row in kept.values():
-        if row["run"] not in ordered:
-            ordered.append(row["run"])
-    ordered.sort(key=lambda r: r == run)  # this run last; the others keep their order
+    for each in runs:  # the previous runs that still name a row, in their order; this run last
+        if each != run and each in named and each not in ordered:
+            ordered.append(each)
+    ordered += [run] if run in named else []
     for row in kept.values():
         row["run"] = ordered.index(row["run"])
     return {"runs": ordered, key: kept}
@@ -482,6 +484,13 @@ def self_check() -> list[str]:
     )
     expect(alone["runs"][0]["stamp"] == first["stamp"] and alone["rows"]["x"]["run"] == 0, f"{alone}")
     done.append("a result written without runs keeps its stamp for its rows")
+    third = {"stamp": {"commit": "c" * 40, "date": "2026-01-03"}, "arguments": {}}
+    three_rows = {"runs": [first, second], "rows": {**again["rows"], "z": {"v": 7, "run": 0}}}
+    kept_order = merged(three_rows, {"x": {"v": 8}}, third)
+    expect(kept_order["runs"] == [first, second, third], f"runs {kept_order['runs']}")
+    numbers = {name: row["run"] for name, row in kept_order["rows"].items()}
+    expect(numbers == {"x": 2, "y": 1, "z": 0}, f"{numbers}")
+    done.append("the runs keep their order when a run replaces the first rows")
     paths = {
         "/tmp/a/b/server": "server",
         "--base-directory=/home/x/y": "--base-directory=y",

@@ -842,7 +842,7 @@ def markdown(result: dict) -> str:
             "The anchor of each run: its later seconds, and with its image written as SaveImage writes it:",
             "",
         ]
-        for number, anchor in sorted(anchors.items()):
+        for number, anchor in sorted(anchors.items(), key=lambda item: int(item[0])):
             line = f"- run {number}: {anchor['later_seconds']:.2f} s"
             png = anchor.get("png_seconds")
             if png is not None:

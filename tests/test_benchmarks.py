@@ -115,7 +115,7 @@ def test_a_copy_takes_the_commit_from_the_environment(tmp_path, with_git):
 def test_the_harness_checks_itself():
     done = run("harness", "--self-check")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert len([line for line in done.stdout.splitlines() if line.startswith("ok: ")]) == 5
+    assert len([line for line in done.stdout.splitlines() if line.startswith("ok: ")]) == 6
 
 
 def test_results_are_one_current_file_per_benchmark():
