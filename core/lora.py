@@ -243,7 +243,9 @@ def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
     if isinstance(layer, ScaledWeightLinear) and layer.compute != FP16:
         # An 8-bit layer's weight is never patched: the LoRA runs beside its product.
         device, dtype = layer.weight.device, layer.weight_scale.dtype
-        layer.low_rank = tuple(LowRank(f.up, f.down, f.scale).on(device, dtype) for f in patch.factors)
+        layer.low_rank = tuple(
+            LowRank(f.up, f.down, f.scale).scaled().on(device, dtype) for f in patch.factors
+        )
     elif isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
         layer.weight_patch = patch
     else:

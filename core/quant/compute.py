@@ -207,6 +207,15 @@ class LowRank:
         up, down = (t.to(device, dtype, non_blocking=t.is_pinned()).flatten(1) for t in (self.up, self.down))
         return LowRank(up, down, self.scale, self.rows)
 
+    def scaled(self) -> LowRank:
+        """The same branch with its scale carried in ``up`` (computed in float32), its own scale 1. Dynamo
+        reads a float attribute as a constant: the sampler's static blocks compiled again for each strength
+        (past eight, eager), the MODEL's once more with the scale dynamic (another graph, other bits for the
+        first strength's image); scaled, every strength of a LoRA runs the one graph."""
+        if self.scale == 1.0:
+            return self
+        return LowRank((self.up.float() * self.scale).to(self.up.dtype), self.down, 1.0, self.rows)
+
     def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
         """Add ``scale × up @ down`` to ``weight``'s rows in place (a linear or convolution weight of its
         own, in the factors' dtype and on their device): the LoRA merged into an expanded weight, in one

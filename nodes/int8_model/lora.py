@@ -128,7 +128,8 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
     each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``. None when a patch is of
     another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1). A patch of strength 0
     changes nothing and is left out, as the sampler leaves out a LoRA of strength 0: the layer then runs as
-    without it (the same compiled graph, so the same bits)."""
+    without it (the same compiled graph, so the same bits). The scale rides in ``up``
+    (:meth:`~...core.quant.compute.LowRank.scaled`): every strength runs one compiled graph."""
     if not all(_plain_lora(patch) for patch in patches):
         return None
     branches = []
@@ -139,7 +140,7 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
         up, down = (t.to(dtype).flatten(1) for t in (up, down))
-        branches.append(compute_paths.LowRank(up, down, scale, rows))
+        branches.append(compute_paths.LowRank(up, down, scale, rows).scaled())
     return tuple(branches)
 
 
