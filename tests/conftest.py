@@ -147,6 +147,26 @@ def load_spy(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
     return spy
 
 
+class Graphs(list):
+    """A torch.compile backend that runs each graph as dynamo traced it and keeps it (torch 2.13.0's CPU
+    wheel cannot import inductor; the GPU tier compiles with inductor)."""
+
+    def __call__(self, graph, example_inputs):
+        self.append(graph)
+        return graph.forward
+
+
+@pytest.fixture
+def graphs(monkeypatch: pytest.MonkeyPatch) -> Graphs:
+    """The graphs compiled blocks trace (:class:`Graphs` as the sampler's compile backend), dynamo's caches
+    empty before and after."""
+    traced = Graphs()
+    monkeypatch.setattr(sampler, "COMPILE_BACKEND", traced)
+    torch._dynamo.reset()
+    yield traced
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def fused_op_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many times each fused quantization op (core.quant.fused_kernels: quantize_rows,

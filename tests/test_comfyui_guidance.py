@@ -804,22 +804,13 @@ def test_the_8bit_models_forward_quantizes_each_input_with_the_op_before_it(
 
 
 def test_the_compiled_models_captions_of_every_length_run_one_graph(
-    comfy, tiny_folder, tmp_path_factory, monkeypatch
+    comfy, tiny_folder, tmp_path_factory, graphs
 ):
     """ComfyUI's caption is as long as its prompt: the compiled MODEL's blocks trace one graph for every
     length (the caption's length dynamic from the first call, the first block's input row-major as the
     others'), so a prompt never waits for a compile after the first, nor runs another graph than before."""
-    from pixart_lowvram.core import sampler
     from pixart_lowvram.nodes.int8_model import forward as pack_forward
 
-    graphs = []
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    monkeypatch.setattr(sampler, "COMPILE_BACKEND", backend)
-    torch._dynamo.reset()
     model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
     eager = model.object_patches[pack_forward.OBJECT]
     compiled = pack_forward.PackForward(
@@ -833,7 +824,6 @@ def test_the_compiled_models_captions_of_every_length_run_one_graph(
         assert len(graphs) == 1
     finally:
         compiled.reset()
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fused", ["1", "0"], ids=["fused", "unfused"])

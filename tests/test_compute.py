@@ -117,7 +117,7 @@ def test_a_low_rank_branch_adds_its_lora_to_its_rows():
     torch.testing.assert_close(got[:, 64:], base[:, 64:], rtol=0, atol=0)
 
 
-def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph():
+def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph(graphs):
     """Dynamo reads a branch's float scale as a constant: with static shapes (the sampler's blocks) each
     strength compiled again, and past eight a block ran eager. Scaled (its scale in ``up``), the same branch
     at any strength is one graph, and computes what the scale does, within float32's rounding of ``up``."""
@@ -126,16 +126,10 @@ def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph()
     quanto.set_compute(layer, "int8")
     x = torch.randn(compute.MIN_ROWS * 2, 128)
     up, down = torch.randn(32, 4), torch.randn(4, 128)
-    graphs = []
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
     for scaled in (False, True):
         torch._dynamo.reset()
         graphs.clear()
-        run = torch.compile(layer.forward, backend=backend, dynamic=False)
+        run = torch.compile(layer.forward, backend=graphs, dynamic=False)
         for strength in (0.5, 0.25, 1.5):
             branch = compute.LowRank(up, down, strength, rows=(32, 32))
             layer.low_rank = (branch.scaled() if scaled else branch,)
@@ -143,7 +137,6 @@ def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph()
             layer.low_rank = (branch,)
             torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
         assert len(graphs) == (1 if scaled else 3)
-    torch._dynamo.reset()
 
 
 def test_a_low_rank_fold_adds_its_lora_to_the_weights_rows():

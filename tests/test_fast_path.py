@@ -114,23 +114,6 @@ def test_fast_must_be_a_flag(tiny, reference):
         sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast="yes"), reference.embeds)
 
 
-@pytest.fixture
-def graphs(monkeypatch):
-    """Compile through dynamo (the tracing and graph cache of torch.compile) with a backend that runs
-    each graph as traced and records it: torch 2.13.0's CPU wheel cannot import inductor; the GPU tier
-    compiles with inductor."""
-    traced = []
-
-    def backend(graph, example_inputs):
-        traced.append(graph)
-        return graph.forward
-
-    monkeypatch.setattr(sampler, "COMPILE_BACKEND", backend)
-    torch._dynamo.reset()
-    yield traced
-    torch._dynamo.reset()
-
-
 def test_compiled_blocks_give_the_eager_latents_and_a_reload_compiles_nothing(tiny, reference, graphs):
     options = {**FP32, "quantization": "qint8"}
     eager = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
