@@ -4,11 +4,10 @@ Each kernel is one program a row: it loads the row, computes in float32 (the op 
 row's absmax), and writes the 8-bit values and the row's scale — one read of the activation and one
 write of its 8-bit form, where the unfused ops read and write it several times. The operators
 ``pixart_lowvram::quantize_rows``, ``pixart_lowvram::norm_modulate_quantize`` and
-``pixart_lowvram::gelu_quantize`` run the kernel on CUDA when Triton imports, the eager reference of
-:mod:`.fused` otherwise; ``torch.compile`` takes them as opaque calls (``register_fake`` gives their
-shapes), so inductor neither traces nor re-fuses them. (``torch.library.triton_op``, which inductor would
-trace into, failed to compile the fp8 cast on an H100 in an earlier version of these kernels; not
-tried since they round before the cast.)
+``pixart_lowvram::gelu_quantize`` (``torch.library.triton_op``) run the kernel on CUDA when Triton imports,
+the eager reference of :mod:`.fused` otherwise. Under ``torch.compile`` inductor traces into them and
+launches the kernels from its own compiled code (it does not re-fuse them); the host then makes no Python
+call per kernel.
 
 Rounding matches the references: int8 rounds half to even by adding and subtracting ``1.5 × 2²³`` in
 float32 (the sum's last place is 1), and e4m3 rounds to nearest even the same way with ``1.5 × 2²⁰`` times
@@ -76,8 +75,9 @@ def _gelu_quantize_kernel(x, values, scales, K, BLOCK: tl.constexpr, FP8: tl.con
 
 @_jit
 def _norm_modulate_quantize_kernel(
-    x, values, scales, K, shift, scale, rows_per_item, modulation_stride, eps, BLOCK: tl.constexpr,
-    FP8: tl.constexpr,
+    x, values, scales, K, shift, scale, rows_per_item, modulation_stride,
+    eps: tl.constexpr,  # a constant: inductor would pass a float argument as fp64
+    BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -105,7 +105,7 @@ def _launch(kernel, x: torch.Tensor, compute: str, *args) -> tuple[torch.Tensor,
     values, scales = _outputs(x, compute)
     block = triton.next_power_of_2(x.shape[1])
     warps = 4 if block <= 2048 else 8
-    kernel[(x.shape[0],)](
+    torch.library.wrap_triton(kernel)[(x.shape[0],)](
         x, values, scales, x.shape[1], *args, BLOCK=block, FP8=compute == FP8, num_warps=warps
     )
     return values, scales
@@ -133,58 +133,38 @@ def triton_norm_modulate_quantize(
     return _launch(_norm_modulate_quantize_kernel, flat, compute, shift, scale, x.shape[1], stride, eps)
 
 
-# The operators: the references for every device (CompositeExplicitAutograd), the Triton kernels on CUDA,
-# their shapes for tracing (register_fake). Defined with torch.library.Library, not custom_op: a call then
-# goes from the dispatcher straight to its Python kernel, where custom_op's wrapper costs about 60 µs of
-# CPU a call (this machine's CPU, 2026-12-06), and a fused block makes six calls.
-LIBRARY = torch.library.Library("pixart_lowvram", "FRAGMENT")
-SCHEMAS = {
-    "quantize_rows": "(Tensor x, str compute) -> (Tensor, Tensor)",
-    "gelu_quantize": "(Tensor x, str compute) -> (Tensor, Tensor)",
-    "norm_modulate_quantize": "(Tensor x, Tensor shift, Tensor scale, float eps, str compute) -> (Tensor, Tensor)",
-}
+# The operators (``torch.library.triton_op``): under ``torch.compile`` inductor traces into them and launches
+# the Triton kernels from its own compiled code, with no Python call per kernel; without Triton or on another
+# device they run the references. (A ``torch.library.Library`` operator with a Python CUDA kernel cost
+# six dispatcher-to-Python calls and six Triton launches from Python a block.)
+def _on_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
 
 
-def _reference_quantize_rows(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.triton_op("pixart_lowvram::quantize_rows", mutates_args=())
+def quantize_rows_op(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_triton(x):
+        return triton_quantize_rows(x, compute)
     rows = fused.quantize_rows(x, compute)
     return rows.values, rows.scales
 
 
-def _reference_gelu_quantize(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.triton_op("pixart_lowvram::gelu_quantize", mutates_args=())
+def gelu_quantize_op(x: torch.Tensor, compute: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_triton(x):
+        return triton_gelu_quantize(x, compute)
     rows = fused.gelu_quantize(x, compute)
     return rows.values, rows.scales
 
 
-def _reference_norm_modulate_quantize(
+@torch.library.triton_op("pixart_lowvram::norm_modulate_quantize", mutates_args=())
+def norm_modulate_quantize_op(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, compute: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _on_triton(x):
+        return triton_norm_modulate_quantize(x, shift, scale, eps, compute)
     rows = fused.norm_modulate_quantize(x, shift[:, None], scale[:, None], eps, compute)
     return rows.values, rows.scales
-
-
-def _fake_rows(x: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    return _outputs(x.reshape(-1, x.shape[-1]), args[-1])
-
-
-REFERENCES = {
-    "quantize_rows": _reference_quantize_rows,
-    "gelu_quantize": _reference_gelu_quantize,
-    "norm_modulate_quantize": _reference_norm_modulate_quantize,
-}
-KERNELS = {
-    "quantize_rows": triton_quantize_rows,
-    "gelu_quantize": triton_gelu_quantize,
-    "norm_modulate_quantize": triton_norm_modulate_quantize,
-}
-for _name, _schema in SCHEMAS.items():
-    LIBRARY.define(_name + _schema)
-    LIBRARY.impl(_name, REFERENCES[_name], "CompositeExplicitAutograd")
-    torch.library.register_fake(f"pixart_lowvram::{_name}", _fake_rows, lib=LIBRARY)
-    if triton is not None:
-        LIBRARY.impl(_name, KERNELS[_name], "CUDA")
-quantize_rows_op = torch.ops.pixart_lowvram.quantize_rows.default
-gelu_quantize_op = torch.ops.pixart_lowvram.gelu_quantize.default
-norm_modulate_quantize_op = torch.ops.pixart_lowvram.norm_modulate_quantize.default
 
 
 def quantize_rows(x: torch.Tensor, compute: str) -> Rows:
