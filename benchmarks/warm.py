@@ -156,6 +156,20 @@ CONFIGS: dict[str, dict] = {
         "drop": ("LoraLoaderModelOnly",),
         "sets": ["2.compute=fp8"],
     },
+    # The two fp8 rows above with the fused quantization kernels (core/quant/block.py), set in the server.
+    "server: pack compute fp8 fused, no Memory Snapshot": {
+        "kind": "server",
+        "sets": ["2.compute=fp8"],
+        "no_snapshot": True,
+        "env": {"PIXART_LOWVRAM_FUSED_QUANT": "1"},
+    },
+    "server: pack int8 MODEL compute fp8 fused, core KSampler": {
+        "kind": "server",
+        "workflow": "pixart_lowvram_lora_ksampler_api.json",
+        "drop": ("LoraLoaderModelOnly",),
+        "sets": ["2.compute=fp8"],
+        "env": {"PIXART_LOWVRAM_FUSED_QUANT": "1"},
+    },
     # The bundled LoRA workflow as shipped (the int8 MODEL, core's LoraLoaderModelOnly and KSampler) with a
     # random rank-16 LoRA on every attention and feed-forward layer, at strength 1 and 0.
     "server: LoRA + KSampler, strength 1": {
@@ -544,6 +558,7 @@ def server_row(
         sys.executable,
         cpu=cpu_check,
         extra_args=tuple(config.get("args", ())),
+        env=config.get("env"),
     ) as server:
         client = api.Client(server.url)
         # The client's check against /object_info, once: a front end does not repeat it per prompt.
@@ -1191,7 +1206,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.until_time is not None:
             command += ["--until-time", repr(args.until_time)]
         started = time.perf_counter()
-        env = os.environ | {k: v for n in job for k, v in CONFIGS[n].get("env", {}).items()}
+        # A row's environment: its process's, or for a server row its server's (server_row).
+        env = os.environ | {
+            k: v for n in job if CONFIGS[n]["kind"] != "server" for k, v in CONFIGS[n].get("env", {}).items()
+        }
         proc = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
         if proc.returncode != 0 or not one_out.is_file():
             lines = (proc.stderr or proc.stdout or "no output").strip().splitlines()

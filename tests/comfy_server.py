@@ -117,13 +117,15 @@ def started(
     timeout: float = START_TIMEOUT,
     custom_nodes: dict[str, Path] | None = None,
     pack: bool = True,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Server]:
     """ComfyUI from the checkout ``comfyui`` on 127.0.0.1 and a free port, with ``base`` as its base
     directory: custom_nodes/ links to this repository (unless ``pack`` is False) and holds each of
     ``custom_nodes`` (NAME: folder, see ``link_custom_node``), models/diffusers/NAME links to each of
     ``models``.
     $COMFYUI_EXTRA_ARGS (split as a shell would) goes last on its command line, e.g. ``--disable-api-nodes
-    --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not installed.
+    --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not installed. ``env`` adds
+    to the server's environment.
     The server (its whole process group) is stopped on exit; its log is ``base``/server.log."""
     comfyui = Path(comfyui).resolve()
     if not (comfyui / "main.py").is_file():
@@ -159,7 +161,7 @@ def started(
         *extra_args,
         *shlex.split(os.environ.get("COMFYUI_EXTRA_ARGS", "")),
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     with log.open("wb") as log_file:
         process = subprocess.Popen(
             command, cwd=comfyui, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
