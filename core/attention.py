@@ -174,8 +174,7 @@ _fa4_operator = None
 
 
 def _register_fa4_operator():
-    # torch.library.Library rather than custom_op, as the fused quantization's operators
-    # (core/quant/fused_kernels.py): no custom_op wrapper on each call.
+    # torch.library.Library rather than custom_op: no custom_op wrapper on each call.
     library = torch.library.Library("pixart_lowvram", "FRAGMENT")
     library.define("flash_attn_4(Tensor q, Tensor k, Tensor v) -> Tensor")
     library.impl("flash_attn_4", _fa4_eager, "CompositeExplicitAutograd")

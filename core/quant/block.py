@@ -35,9 +35,8 @@ PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 
 
 # The blocks run fused only when this is 1. Their kernels take less GPU time than the quantization inductor
-# fuses into the ops before it, but each is an operator inductor calls through the dispatcher into Python
-# (six a block), and on an H100 a run of 20 fp8 steps at 1024² was faster without them (2026-12-06,
-# docs/BENCHMARKS.md, compute: 1.10 s fused, 0.92 s unfused).
+# fuses into the ops before it; whether the default follows waits on the server's figures
+# (docs/DESIGN.md, Decisions).
 VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
 
 

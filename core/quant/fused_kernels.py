@@ -135,8 +135,8 @@ def triton_norm_modulate_quantize(
 
 # The operators (``torch.library.triton_op``): under ``torch.compile`` inductor traces into them and launches
 # the Triton kernels from its own compiled code, with no Python call per kernel; without Triton or on another
-# device they run the references. (A ``torch.library.Library`` operator with a Python CUDA kernel cost
-# six dispatcher-to-Python calls and six Triton launches from Python a block.)
+# device they run the references. (As ``torch.library.Library`` operators with Python CUDA kernels they would
+# make six dispatcher-to-Python calls and six Triton launches from Python a block.)
 def _on_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
