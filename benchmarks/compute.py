@@ -21,8 +21,9 @@ replace those of the result, the others stay, each naming its run. Three parts, 
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
   int8 and fp8 each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization
-  kernels) and ``=0`` (``"fused": false``, the default: each layer quantizes its input, inductor fusing
-  what it can). With each its GPU peak allocated during a run (the kept weights included).
+  kernels, the default on CUDA with Triton) and ``=0`` (``"fused": false``: each layer quantizes its
+  input, inductor fusing what it can). With each its GPU peak allocated during a run (the kept weights
+  included).
 - ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
   pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
   decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
@@ -30,7 +31,7 @@ replace those of the result, the others stay, each naming its run. Three parts, 
 
 ``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward,
 and the GPU's busy time against the wall clock, of compiled fp16 + fast, fp8 (fast and exact
-accumulation), int8, and fp8 with the fused quantization.
+accumulation) and int8 with each layer quantizing its input, and fp8 with the fused quantization.
 """
 
 from __future__ import annotations
@@ -526,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = {
             "fp16 + fast": ({"compute": "fp16", "fast": True}, True),
-            "fp8": ({"compute": "fp8"}, True),
-            "fp8, exact accumulation": ({"compute": "fp8"}, False),
-            "int8": ({"compute": "int8"}, True),
+            "fp8, quantization unfused": ({"compute": "fp8", "fused": False}, True),
+            "fp8, exact accumulation, quantization unfused": ({"compute": "fp8", "fused": False}, False),
+            "int8, quantization unfused": ({"compute": "int8", "fused": False}, True),
             "fp8, fused quantization": ({"compute": "fp8", "fused": True}, True),
         }
         parts["profile"] = {"rows": {}}

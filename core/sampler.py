@@ -475,7 +475,7 @@ def prepare(
     if compute != compute_paths.FP16:
         from .quant import block  # imports Triton where it is installed
 
-        if block.wanted():
+        if block.wanted(device):
             block.use_fused(blocks, compute)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)

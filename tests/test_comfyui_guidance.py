@@ -839,8 +839,9 @@ def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
     monkeypatch.setenv(fused_block.VARIABLE, fused)
     model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
     eager = model.object_patches[pack_forward.OBJECT]
+    assert eager.fused == (fused == "1")
     compiled = pack_forward.PackForward(
-        model.model.diffusion_model, eager.config, eager.unet_config, "int8", compiled=True
+        model.model.diffusion_model, eager.config, eager.unet_config, "int8", compiled=True, fused=eager.fused
     )
     generator = torch.Generator().manual_seed(9)
     x, timestep = torch.randn(2, 4, 34, 34, generator=generator), torch.tensor([999.0, 421.0])

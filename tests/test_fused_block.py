@@ -38,7 +38,7 @@ def blocks(request, tiny):
     settings = sampler.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute=path
     )
-    os.environ[fused_block.VARIABLE] = "1"  # the sampler's prepare switches the blocks only when asked
+    os.environ[fused_block.VARIABLE] = "1"  # on the CPU the sampler's prepare switches the blocks when asked
     try:
         model = sampler.prepare(
             quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
@@ -150,7 +150,7 @@ def test_use_fused_switches_pixart_blocks_only_and_unuse_fused_switches_back():
     assert "forward" not in vars(pixart)  # nothing switched
 
 
-def test_the_sampler_fuses_only_when_asked_and_a_bad_setting_is_one_line(tiny, monkeypatch):
+def test_the_sampler_fuses_where_the_kernels_run_or_as_told_and_a_bad_setting_is_one_line(tiny, monkeypatch):
     settings = sampler.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute="int8"
     )
@@ -163,13 +163,18 @@ def test_the_sampler_fuses_only_when_asked_and_a_bad_setting_is_one_line(tiny, m
         return model.transformer_blocks[0]
 
     monkeypatch.delenv(fused_block.VARIABLE, raising=False)
-    assert "forward" not in vars(first_block("int8"))  # off by default: diffusers' forward
+    assert "forward" not in vars(first_block("int8"))  # unset on the CPU: diffusers' forward
+    # Unset, fused where the kernels run: CUDA with Triton (a device is not needed to ask).
+    assert fused_block.wanted("cuda") == (fused_block.fused_kernels.triton is not None)
+    assert not fused_block.wanted("cpu")
+    monkeypatch.setenv(fused_block.VARIABLE, "0")
+    assert not fused_block.wanted("cuda")
     monkeypatch.setenv(fused_block.VARIABLE, "1")
     assert vars(first_block("int8"))["forward"].__func__ is fused_block.fused_forward
     assert "forward" not in vars(first_block("fp16"))  # fp16 compute: diffusers' forward
     monkeypatch.setenv(fused_block.VARIABLE, "yes")
     with pytest.raises(ValueError, match=r"^PIXART_LOWVRAM_FUSED_QUANT='yes' is not a setting; set it to 1"):
-        fused_block.wanted()
+        fused_block.wanted("cpu")
 
 
 def test_a_compiled_run_after_one_with_a_lora_gives_the_first_runs_latents(

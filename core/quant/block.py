@@ -34,21 +34,23 @@ from .quanto import ScaledWeightLinear
 PROCESSORS = ("AttnProcessor2_0", "FusedAttnProcessor2_0", "Processor")
 
 
-# The blocks run fused only when this is 1. Their kernels take less GPU time than the quantization inductor
-# fuses into the ops before it; whether the default follows waits on the server's figures
-# (docs/DESIGN.md, Decisions).
+# Unset, the blocks run fused where the kernels run: on CUDA with Triton (elsewhere the ops are their
+# references, which save nothing). 1 or 0 says so everywhere (docs/DESIGN.md, Decisions).
 VARIABLE = "PIXART_LOWVRAM_FUSED_QUANT"
 
 
-def wanted() -> bool:
-    """Whether ``PIXART_LOWVRAM_FUSED_QUANT`` asks for the fused blocks (``1``; ``0`` or unset: not)."""
-    value = os.environ.get(VARIABLE, "0").strip()
-    if value not in ("0", "1"):
+def wanted(device: torch.device | str) -> bool:
+    """Whether 8-bit blocks on ``device`` run fused: ``PIXART_LOWVRAM_FUSED_QUANT`` ``1`` or ``0`` says; unset,
+    where the kernels run (a CUDA device, Triton installed)."""
+    value = os.environ.get(VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
         raise ValueError(
-            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels) or 0 "
-            "(off, the default), or unset it."
+            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the fused quantization kernels), 0 "
+            "(each layer quantizes its own input) or unset it (fused on CUDA where Triton is installed)."
         )
-    return value == "1"
+    if value:
+        return value == "1"
+    return fused_kernels.triton is not None and torch.device(device).type == "cuda"
 
 
 def use_fused(blocks: torch.nn.ModuleList, compute: str) -> int:

@@ -25,6 +25,7 @@ import torch
 from comfy.patcher_extension import CallbacksMP, WrappersMP
 
 from ...core import measure
+from ...core.quant import block as fused_block
 from ...core.quant import compute as compute_paths
 from ...core.quant import quanto
 from ...core.single_files import CAPTION_TOKENS
@@ -255,6 +256,7 @@ def load(
         config,
         transformer.compute,
         compiled=transformer.compiled and load_device.type == "cuda",
+        fused=transformer.compute != compute_paths.FP16 and fused_block.wanted(load_device),
     )
     patcher.add_object_patch(forward.OBJECT, pack_forward)
     patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, pack_forward.follow)

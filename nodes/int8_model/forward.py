@@ -45,9 +45,9 @@ NO_ADDED_CONDITIONS = {"resolution": None, "aspect_ratio": None}
 
 
 class PackForward:
-    """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers. With an
-    8-bit ``compute`` its blocks quantize each layer's input with the op before it, as the sampler's do
-    (:func:`~...core.quant.block.use_fused`); ``compiled``: the blocks run compiled (the sampler's
+    """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers. ``fused``
+    (an 8-bit ``compute``): its blocks quantize each layer's input with the op before it, as the sampler's
+    do (:func:`~...core.quant.block.use_fused`); ``compiled``: the blocks run compiled (the sampler's
     :func:`~...core.sampler.compile_blocks`, the caption's length dynamic: ComfyUI's conditioning is
     as long as its prompt)."""
 
@@ -58,13 +58,14 @@ class PackForward:
         unet_config: dict,
         compute: str = compute_paths.FP16,
         compiled: bool = False,
+        fused: bool = False,
     ):
         self.pixart = weakref.ref(pixart)
         self.config, self.unet_config = config, unet_config
-        self.compute, self.compiled = compute, compiled
+        self.compute, self.compiled, self.fused = compute, compiled, fused
         key_map = comfy.utils.pixart_to_diffusers(unet_config)
         skeleton = empty(config)
-        fused: dict[str, list[tuple[int, str]]] = {}
+        joined: dict[str, list[tuple[int, str]]] = {}
         for name, _module in list(skeleton.named_modules()):
             target = key_map.get(f"{name}.weight")
             if target is None:
@@ -73,8 +74,8 @@ class PackForward:
                 _swap(skeleton, name, pixart.get_submodule(target.removesuffix(".weight")))
             else:
                 path, (_dim, offset, _size) = target
-                fused.setdefault(path.removesuffix(".weight"), []).append((offset, name))
-        for path, parts in fused.items():
+                joined.setdefault(path.removesuffix(".weight"), []).append((offset, name))
+        for path, parts in joined.items():
             names = [name for _offset, name in sorted(parts)]
             owner = names[0].rpartition(".")[0]
             leaves = tuple(name.rpartition(".")[2] for name in names)
@@ -101,7 +102,7 @@ class PackForward:
             )
         attention.install(skeleton)
         blocks = skeleton.transformer_blocks
-        if compute != compute_paths.FP16 and fused_block.wanted():
+        if fused:
             fused_block.use_fused(blocks, compute)
         if compiled:
             sampler_stage.compile_blocks(blocks, captions_vary=True)
@@ -130,7 +131,7 @@ class PackForward:
         current = clone.object_patches.get(OBJECT)
         if isinstance(current, PackForward) and current.pixart() is not model:
             clone.object_patches[OBJECT] = PackForward(
-                model, self.config, self.unet_config, self.compute, self.compiled
+                model, self.config, self.unet_config, self.compute, self.compiled, self.fused
             )
 
     def reset(self) -> None:
