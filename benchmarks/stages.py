@@ -84,6 +84,7 @@ def run_one(model_dir: str, config: dict, out: Path) -> None:
         device="cuda",
         low_vram=low_vram,
         fast=config.get("fast", False),
+        compute=config.get("compute", "fp16"),
         **SETTINGS,
     )
     latents = sampler.sample(transformer, embeds, report=report)

@@ -255,9 +255,10 @@ class SamplerSettings:
             device=self.device,
             quant_cache=self.quant_cache,
             also_reads=["scheduler"],
+            fast=self.fast and not self.low_vram,  # auto's fp8 is measured without low_vram
         )
         native = transformer.native_size
-        derived = {"transformer": transformer, "device": transformer.device}
+        derived = {"transformer": transformer, "device": transformer.device, "compute": transformer.compute}
         if self.resolution == NATIVE_RESOLUTION:
             derived["width"] = derived["height"] = native
         elif self.resolution == CUSTOM_RESOLUTION:

@@ -30,7 +30,7 @@ INPUTS = inputs.Inputs(
     inputs.Input(
         "compute",
         inputs.CHOICE,
-        compute_paths.FP16,
+        compute_paths.AUTO,
         f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
         "weights (the sampler's peak about 1 GiB lower at 1024²) and give an image close to fp16's, not equal "
         "to it; on an H100 or H200 fp8 is the fastest (docs/USAGE.md, 8-bit compute).",
@@ -54,7 +54,8 @@ class TransformerSettings:
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/. ``quantization`` names the scheme of :data:`~.quant.TRANSFORMER_SCHEMES`, ``compute`` how
-    the blocks' quantized layers compute (:mod:`.quant.compute`), ``precision`` the compute dtype (fp16 on a
+    the blocks' quantized layers compute (:mod:`.quant.compute`; ``auto`` resolved with ``fast``, the
+    sampler's: :func:`.quant.compute.resolve`), ``precision`` the compute dtype (fp16 on a
     GPU, bf16 on the CPU when None). With ``quant_cache`` (a folder) the quantized transformer is saved there
     on first use and read back later (:mod:`quant_cache`). ``also_reads``: other parts of ``model`` the
     caller reads (the sampler's scheduler/), checked with the transformer's so that one error names every
@@ -68,12 +69,13 @@ class TransformerSettings:
     device: torch.device | str | None = None
     quant_cache: str | os.PathLike | None = None
     also_reads: InitVar[Sequence[str]] = ()
+    fast: InitVar[bool] = False
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
     config: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, also_reads: Sequence[str]) -> None:
+    def __post_init__(self, also_reads: Sequence[str], fast: bool) -> None:
         INPUTS.check(self)
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
@@ -92,7 +94,8 @@ class TransformerSettings:
             if isinstance(weights, TransformerFile)
             else self.model.config("transformer"),
         }
-        compute_paths.require(self.compute, device, self.quantization)
+        derived["compute"] = compute_paths.resolve(self.compute, device, self.quantization, fast=fast)
+        compute_paths.require(derived["compute"], device, self.quantization)
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 

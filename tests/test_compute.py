@@ -155,7 +155,7 @@ def test_a_low_rank_fold_adds_its_lora_to_the_weights_rows():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"compute": "int4"}, r"compute 'int4' is not offered; choose one of fp16, int8, fp8\."),
+        ({"compute": "int4"}, r"compute 'int4' is not offered; choose one of auto, fp16, int8, fp8\."),
         (
             {"compute": "int8", "quantization": "qfloat8"},
             r"compute 'int8' runs on qint8 weights, and quantization is 'qfloat8'; set quantization to qint8",
@@ -185,6 +185,36 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
     with pytest.raises(RuntimeError, match=r"is 7\.0\. Set compute to fp16\.$"):
         compute.require("fp8", torch.device("cuda"), "qint8")
+
+
+def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
+    """``auto`` (the default) takes the measured faster path with ``fast`` only: fp8 on a compute capability 9.0
+    card with quantized weights; fp16 without fast, on other cards, unquantized, on the CPU. A value set is
+    kept as it is."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    with caplog.at_level("INFO", logger=compute.__name__):
+        assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp8"
+    assert caplog.messages == [
+        "compute auto: fp8 on NVIDIA H100 80GB HBM3 with fast (set compute to fp16 for fp16's products)"
+    ]
+    assert compute.resolve("auto", cuda, "qfloat8", fast=True) == "fp8"
+    assert compute.resolve("auto", cuda, "qint8", fast=False) == "fp16"
+    assert compute.resolve("auto", cuda, "none", fast=True) == "fp16"
+    assert compute.resolve("auto", torch.device("cpu"), "qint8", fast=True) == "fp16"
+    for kept in ("fp16", "int8", "fp8"):
+        assert compute.resolve(kept, cuda, "qint8", fast=True) == kept
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # unmeasured
+    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
+    assert settings.compute == settings.transformer.compute == "fp16"
+    asked = []
+    monkeypatch.setattr(compute, "resolve", lambda *args, fast: asked.append(fast) or "fp16")
+    sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
+    sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
+    sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
+    assert asked == [True, False, False]  # low_vram + fast keeps fp16: auto's fp8 is measured without it
 
 
 def test_the_path_is_in_the_cache_key(tiny):

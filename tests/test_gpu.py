@@ -100,7 +100,7 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
         ("text_encoder", {"low_vram": True}),
         ("transformer", {}),
         ("transformer", {"low_vram": True}),
-        ("transformer", {"fast": True}),
+        ("transformer", {"fast": True, "compute": "fp16"}),  # fp16 + fast (auto: fp8 on Hopper)
         ("vae", {}),
     ],
     ids=["t5", "t5-low-vram", "transformer", "transformer-low-vram", "transformer-fast", "vae"],
@@ -321,7 +321,8 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
 def test_fast_path_compiles_matches_and_returns_memory(tiny, reference, cuda, low_vram):
     """The fast sampler path with inductor on the GPU (streamed too): the quantized path's latents, and
     nothing left allocated afterwards."""
-    options = {**SETTINGS, "device": cuda, "quantization": "qint8", "low_vram": low_vram}
+    # compute fp16: with fast, auto is fp8 on Hopper (test_8bit_compute_* cover that path).
+    options = {**SETTINGS, "device": cuda, "quantization": "qint8", "low_vram": low_vram, "compute": "fp16"}
     quantized = sampler.SamplerSettings(tiny, **options)
     compiled = sampler.SamplerSettings(tiny, **options, fast=True)
     quanto = sampler.sample(quantized, reference.embeds)
@@ -459,7 +460,7 @@ def test_step_cache_on_cuda_bounded_and_nothing_left(tiny, reference, cuda, capl
     seed gives the same latents; no hook and nothing allocated stay after the run (with fast, too)."""
     import logging
 
-    options = {**SETTINGS, "steps": 10, "device": cuda, "quantization": "qint8"}
+    options = {**SETTINGS, "steps": 10, "device": cuda, "quantization": "qint8", "compute": "fp16"}
     uncached = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
     before = torch.cuda.memory_allocated(cuda)
     tiny_threshold = sampler.sample(
@@ -513,5 +514,25 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
     off = sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path, 0.0),)), reference.embeds)
     assert _cosine(on, first) < 0.9999
     assert torch.equal(off, first)
+    free_all()
+    assert torch.cuda.memory_allocated(cuda) <= before
+
+
+def test_auto_compute_with_fast_runs_the_cards_measured_path(tiny, reference, cuda):
+    """compute auto (the default) with fast: the card's measured path (fp8 on compute capability 9.0, fp16
+    elsewhere; fp16 without fast or with low_vram), its latents close to fp16's, nothing left after the run."""
+    from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import compute as compute_paths
+
+    options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
+    expected = compute_paths.FASTEST.get(torch.cuda.get_device_capability(cuda), "fp16")
+    auto = sampler.SamplerSettings(tiny, **options, fast=True)
+    assert auto.compute == auto.transformer.compute == expected
+    assert sampler.SamplerSettings(tiny, **options).compute == "fp16"
+    assert sampler.SamplerSettings(tiny, **options, fast=True, low_vram=True).compute == "fp16"
+    fp16 = sampler.sample(sampler.SamplerSettings(tiny, **options, compute="fp16"), reference.embeds)
+    before = torch.cuda.memory_allocated(cuda)
+    latents = sampler.sample(auto, reference.embeds)
+    assert 0.99 < _cosine(latents, fp16) <= 1
     free_all()
     assert torch.cuda.memory_allocated(cuda) <= before

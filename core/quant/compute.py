@@ -1,5 +1,6 @@
 """How the transformer's quantized layers compute: the weights expanded to fp16 (``fp16``), or 8-bit matrix
-products on 8-bit weights and activations (``int8``, ``fp8``).
+products on 8-bit weights and activations (``int8``, ``fp8``); ``auto`` (the default) stands for one of them
+(:func:`resolve`).
 
 ``fp16``: each layer expands its int8 (or float8) weight to the compute dtype and runs one fp16 matrix
 product (:class:`.quanto.ScaledWeightLinear`). It stores 8 bits and computes 16.
@@ -35,11 +36,13 @@ compute dtype (:class:`LowRank`): the 8-bit weights are never requantized and no
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 FP16, INT8, FP8 = "fp16", "int8", "fp8"
+AUTO = "auto"
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -54,7 +57,16 @@ CAPABILITY = {INT8: (7, 5), FP8: (8, 9)}
 CARDS = {INT8: "an NVIDIA GPU of compute capability 7.5 or newer (RTX 20 and later)", FP8: "an NVIDIA GPU "
          "of compute capability 8.9 or newer (RTX 40, L4, L40, H100, H200)"}  # fmt: skip
 
+# The 8-bit path ``auto`` takes with the sampler's ``fast``, by CUDA compute capability: where it is measured
+# faster than fp16 + fast within the fidelity bound (latent cosine >= 0.995 against fp16; docs/BENCHMARKS.md,
+# compute.py). Hopper: fp8 0.80x diffusers' fp16 model, fp16 + fast 0.93x (H100). Other cards are unmeasured.
+FASTEST = {(9, 0): FP8}
+
+logger = logging.getLogger(__name__)
+
 DESCRIPTIONS = {
+    AUTO: "fp16, or with the sampler's fast (without low_vram) on an H100 or H200 fp8, faster there than fp16 "
+    "+ fast",
     FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
     INT8: "int8 weights and per-token int8 activations, int8 tensor-core products (RTX 20/30/40, A100); "
     "compiles the blocks on first use",
@@ -68,8 +80,27 @@ def tooltip() -> str:
     return " ".join(f"{name}: {text}." for name, text in DESCRIPTIONS.items())
 
 
+def resolve(compute: object, device: torch.device, scheme: object, fast: bool = False) -> object:
+    """The compute ``auto`` stands for: with ``fast`` (the sampler's, without low_vram), on a CUDA card of
+    :data:`FASTEST` with quantized weights (``scheme`` not ``none``), that card's path; otherwise fp16. Any
+    other value as it is."""
+    if compute != AUTO:
+        return compute
+    if not fast or device.type != "cuda" or scheme == "none":
+        return FP16
+    chosen = FASTEST.get(torch.cuda.get_device_capability(device), FP16)
+    if chosen != FP16:
+        logger.info(
+            "compute auto: %s on %s with fast (set compute to fp16 for fp16's products)",
+            chosen,
+            torch.cuda.get_device_name(device),
+        )
+    return chosen
+
+
 def require(compute: object, device: torch.device, scheme: object) -> None:
-    """Raise one clear line unless ``compute`` runs on ``device`` with weights of quantization ``scheme``."""
+    """Raise one clear line unless ``compute`` (resolved: :func:`resolve`) runs on ``device`` with weights of
+    quantization ``scheme``."""
     if not isinstance(compute, str) or compute not in COMPUTES:
         raise ValueError(f"compute {compute!r} is not offered; choose one of {', '.join(COMPUTES)}.")
     if compute == FP16:
