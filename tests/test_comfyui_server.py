@@ -273,8 +273,11 @@ def test_cancel_stops_sampling_at_the_next_step(server):
     interrupted in the sampler, sampling stops within a step or two of it, the transformer is not kept
     (though keep_loaded asked for it) and the next prompt runs normally."""
     server.run(free_vram_prompt())  # start with no kept models
-    steps = 200  # about a minute on the CPU: long enough to cancel
-    prompt = basic_prompt(seed=51, steps=steps, keep_loaded=True)
+    # 1024²: a step of the tiny model (about 0.15 s on two CPU cores) outlasts the interrupt's way from the
+    # progress message back to the server; at its native 64² a step took about 25 ms in the server, and on
+    # a busy machine three steps ran before the interrupt arrived. 200 steps: long enough to cancel.
+    steps = 200
+    prompt = basic_prompt(seed=51, steps=steps, keep_loaded=True, width=1024, height=1024)
     sampler = node_id(prompt, "PixArtQ_Sampler")
     cancelled_at: list[int] = []
 
