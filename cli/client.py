@@ -24,11 +24,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path, PurePosixPath
 
 import requests
 import websocket
 from tqdm import tqdm
+
+from ..core.contract import check_each, check_size
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,11 @@ def load_workflow(path: Path) -> dict:
         workflow = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ClientError(f"{path} is not JSON: {exc}") from exc
+    except OSError as exc:
+        raise ClientError(
+            f"the workflow {path} cannot be read ({exc.strerror or exc}); give an API-format workflow file, "
+            "e.g. workflows/api/pixart_lowvram_basic_api.json"
+        ) from exc
     if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
         raise ClientError(
             f"{path} is a UI-format workflow; queue the API format "
@@ -140,6 +148,10 @@ def parse_size(text: str) -> tuple[int, int]:
     width, height = int(match.group(1)), int(match.group(2))
     if not width or not height:
         raise ClientError(f"--size {text!r}: width and height must be above 0, e.g. 768x1344")
+    try:
+        check_each(partial(check_size, "width", width), partial(check_size, "height", height))
+    except ValueError as exc:
+        raise ClientError(f"--size {text!r}: {exc}") from None
     return width, height
 
 

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=where,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log each stage and what it loads")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not required here: main() says a missing command after any unknown option, so the option is named.
+    sub = parser.add_subparsers(dest="command")
     defaults = {"formatter_class": DefaultsOnce, "epilog": where}
     demo = sub.add_parser(
         "demo",
@@ -356,7 +357,12 @@ def check_model_folder(folder: Path, given: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Run the command line ``argv``; a mistake or a failure raises (:func:`.cli.main` turns it into one
     line and an exit status)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command is None:
+        parser.error("the following arguments are required: command")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )

@@ -293,6 +293,11 @@ def test_queue_without_a_running_comfyui_says_how_to_start_one(tmp_path, capsys)
     [
         (["--size", "1024"], "error: --size '1024': expected WIDTHxHEIGHT in pixels, e.g. 768x1344"),
         (["--size", "0x768"], "error: --size '0x768': width and height must be above 0, e.g. 768x1344"),
+        (
+            ["--size", "100x100"],
+            "error: --size '100x100': width 100 is not a multiple of 16; use 96 or 112. "
+            "height 100 is not a multiple of 16; use 96 or 112.",
+        ),
     ],
 )
 def test_queue_refuses_a_bad_size_before_it_reaches_a_server(capsys, args, said):
@@ -301,6 +306,31 @@ def test_queue_refuses_a_bad_size_before_it_reaches_a_server(capsys, args, said)
     server = "http://127.0.0.1:1"  # never asked: the size is refused first
     assert cli.main(["queue", str(api_file("basic")), "--server", server, "--model", "m", *args]) == 2
     assert capsys.readouterr().err == said + "\n"
+
+
+def test_queue_names_the_workflow_file_it_cannot_find(tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert cli.main(["queue", str(missing), "--server", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the workflow {missing} cannot be read (No such file or directory); ")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
+        (["--frobnicate", "cache"], "error: unrecognized arguments: --frobnicate"),
+        (["cache", "--frobnicate", "x"], "error: unrecognized arguments: --frobnicate x"),
+        ([], "error: the following arguments are required: command"),
+    ],
+)
+def test_an_unknown_option_is_named(capsys, argv, said):
+    with pytest.raises(SystemExit) as stopped:
+        commands.main(argv)
+    assert stopped.value.code == 2
+    usage, error = capsys.readouterr().err.splitlines()
+    assert usage.startswith("usage: ") and error.endswith(said)
 
 
 def test_usage_lists_every_option_of_generate():

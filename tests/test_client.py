@@ -149,6 +149,9 @@ def test_size_reads_width_by_height(text, size):
         ("512.5x512", "--size '512.5x512': expected WIDTHxHEIGHT"),
         ("1024*768", "--size '1024*768': expected WIDTHxHEIGHT"),
         ("0x512", "--size '0x512': width and height must be above 0"),
+        ("100x96", "--size '100x96': width 100 is not a multiple of 16; use 96 or 112."),
+        ("100x100", "--size '100x100': width 100 is not a multiple of 16; use 96 or 112. height 100 is not"),
+        ("512x8192", "--size '512x8192': height 8192 is out of range; use 64..4096 pixels."),
     ],
 )
 def test_size_refuses_what_is_not_width_by_height(text, message):
@@ -238,6 +241,16 @@ def test_ui_format_workflow_is_refused(tmp_path):
     bad.write_text(json.dumps({"1": {"inputs": {}}}))
     with pytest.raises(ClientError, match="not an API-format workflow"):
         client.load_workflow(bad)
+
+
+def test_a_missing_workflow_file_is_named_with_a_bundled_one_to_try(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ClientError) as refused:
+        client.load_workflow(missing)
+    said = str(refused.value)
+    assert said.startswith(f"the workflow {missing} cannot be read (No such file or directory); ")
+    (example,) = re.findall(r"e\.g\. (\S+)$", said)
+    assert REPO / example == API_WORKFLOW
 
 
 def test_a_workflow_saved_with_the_old_names_is_upgraded(tmp_path):
