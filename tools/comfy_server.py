@@ -1,6 +1,6 @@
-"""A ComfyUI server on the loopback interface for the tests and the benchmarks: started with the pack linked
-into a fresh base directory, or an already running one named by URL (loopback hosts only), the resident
-memory of its process tree and the host's CPU time during a prompt.
+"""A ComfyUI server on the loopback interface for the tests, the benchmarks and tools/same_images.py:
+started with the pack linked into a fresh base directory, or an already running one named by URL (loopback
+hosts only), the resident memory of its process tree and the host's CPU time during a prompt.
 
 Nothing here imports ComfyUI: the server runs in its own interpreter (``python`` below, ComfyUI's venv).
 """

@@ -1,6 +1,7 @@
 """The SDXL VAE's two single-file layouts: diffusers' key names (``diffusion_pytorch_model.safetensors``) and
-the original (ldm) ones most ``sdxl_vae.safetensors`` downloads use. Tests write the tiny model's VAE in the
-original layout to check that ComfyUI's VAELoader and the pack both read what users have."""
+the original (ldm) ones most ``sdxl_vae.safetensors`` downloads use. The tests (and tools/same_images.py)
+write the tiny model's VAE in the original layout, to check that ComfyUI's VAELoader and the pack both read
+what users have."""
 
 from __future__ import annotations
 
