@@ -1,6 +1,7 @@
 """What the ``comfyui`` tier shares: a real ComfyUI server started on a free local port (``running_server``;
 the ``server`` fixture in conftest.py starts one per test module), a client that queues prompts and follows
-the websocket, and the bundled basic workflow as a prompt for the tiny model.
+the websocket, and the bundled basic workflow as a prompt for the tiny model (its name, size and steps:
+tools/tiny_workflows.py).
 
 Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON names its interpreter (default: this one).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 from PIL import Image
+from tiny_workflows import MODEL, SIZE, STEPS
 
 REPO = Path(__file__).resolve().parents[1]
 API_WORKFLOW = REPO / "workflows" / "api" / "pixart_lowvram_basic_api.json"
@@ -42,14 +44,8 @@ NODE_IDS = (
 )
 MODEL_NODES = ("PixArtQ_T5Encode", "PixArtQ_Sampler", "PixArtQ_VAEDecode")
 HUB_ID = "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"
-MODEL = "tiny-pixart"
 SDXL_VAE_FILE = "sdxl_vae.safetensors"  # in models/vae when running_server is given sdxl_vae_file
 PACK_LINK = "comfyui-pixart-lowvram"  # the pack's folder name in custom_nodes/ (comfy_server.py)
-# ComfyUI-Distributed, the engine tests/test_comfyui_distributed.py scales out on: an unmodified snapshot
-# beside the repository, as the ComfyUI checkouts are (.ci/comfyui), and its folder name in custom_nodes/.
-DISTRIBUTED = REPO.parent / "shared" / "engines" / "ComfyUI-Distributed"
-DISTRIBUTED_LINK = "ComfyUI-Distributed"
-SIZE, STEPS = 64, 3  # the tiny model's native size
 
 START_TIMEOUT = 240  # seconds; a cold start on a small CPU machine takes 20-40 s
 PROMPT_TIMEOUT = 300

@@ -19,6 +19,7 @@ import pytest
 import requests
 from comfyui_support import HTTP_TIMEOUT, MODEL, PROMPT_TIMEOUT, SIZE, STEPS, ComfyServer, running_server
 from test_workflows import UI_FILES, VIRTUAL, ids, read, widgets_of
+from tiny_workflows import KSAMPLER_SIZE
 
 from pixart_lowvram.cli.random_model import save_random_lora
 
@@ -84,9 +85,6 @@ RETURNING_USER = {
     "Comfy.Canvas.LeftMouseClickBehavior": "panning",
     "Comfy.Canvas.MouseWheelScroll": "zoom",
 }
-# ComfyUI's PixArt divides by zero below about 320 px (tests/test_comfyui_model.py): core's KSampler runs
-# the tiny model at this size.
-KSAMPLER_SIZE = 320
 
 
 @pytest.fixture(scope="module")

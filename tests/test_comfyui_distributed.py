@@ -28,8 +28,6 @@ import pytest
 import requests
 from comfyui_support import (
     API_WORKFLOW,
-    DISTRIBUTED,
-    DISTRIBUTED_LINK,
     HTTP_TIMEOUT,
     KSAMPLER_API_WORKFLOW,
     MODEL,
@@ -43,6 +41,7 @@ from comfyui_support import (
     running_server,
 )
 from PIL import Image
+from tiny_workflows import DISTRIBUTED, DISTRIBUTED_LINK, KSAMPLER_SIZE
 
 from pixart_lowvram.cli.random_model import save_random_lora
 
@@ -58,7 +57,6 @@ pytestmark = [
 EXAMPLE = REPO / "workflows" / "api" / "pixart_lowvram_distributed_api.json"
 WORKER = "w1"  # the worker's id in the master's engine config
 LORA = "tiny-lora.safetensors"
-KSAMPLER_SIZE = 320  # core's PixArt needs about 320 px and more (tests/test_comfyui_model.py)
 # The master's collector gives up on a worker that sent nothing for this long and is not busy (the
 # engine's settings.worker_timeout_seconds; its default is 60 s).
 WORKER_TIMEOUT = 10

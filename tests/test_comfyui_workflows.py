@@ -26,8 +26,6 @@ from comfyui_support import (
     PACK_LINK,
     PROMPT_TIMEOUT,
     SDXL_VAE_FILE,
-    SIZE,
-    STEPS,
     WIDGET_TYPES,
     ComfyServer,
     running_server,
@@ -48,6 +46,7 @@ from test_workflows import (
     read,
     widgets_of,
 )
+from tiny_workflows import LORA_SCALE, tiny_sets, tiny_size
 
 from pixart_lowvram.cli.random_model import save_random_lora
 from pixart_lowvram.core import inputs
@@ -62,10 +61,6 @@ DECLARED_KINDS = {
     inputs.CHOICE: "COMBO",
     inputs.TEXT: "STRING",
 }
-# ComfyUI's PixArt works its position embedding's base size out from the image, to 0 below about 320 px
-# (a division by zero): a workflow through core's KSampler runs the tiny model at this size (its Empty
-# Latent Image), not the native SIZE.
-KSAMPLER_SIZE = 320
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +69,7 @@ def server(request, tmp_path_factory, tiny_folder, sdxl_vae_file):
     LoRA of the tiny model in models/loras under the name the LoRA + KSampler workflow picks."""
     base = tmp_path_factory.mktemp("comfyui")
     (lora,) = widgets_of("lora_ksampler", "LoraLoaderModelOnly")
-    save_random_lora(tiny_folder, base / "models" / "loras" / lora["lora_name"], scale=0.15)
+    save_random_lora(tiny_folder, base / "models" / "loras" / lora["lora_name"], scale=LORA_SCALE)
     with running_server(request, base, tiny_folder, sdxl_vae_file=sdxl_vae_file) as started:
         yield started
 
@@ -211,24 +206,6 @@ def test_ui_workflow_matches_object_info(server, path):
 
 
 # ---- the API files through the client ----------------------------------------------------------
-
-
-def tiny_sets(path: Path, model: str = MODEL) -> list[str]:
-    """The arguments that put a bundled API workflow on the tiny model at its native size (core's KSampler:
-    KSAMPLER_SIZE), few steps: --model and --size, as a user points a workflow at another model, and --set
-    for the steps."""
-    size = tiny_size(path)
-    sets = [f"--model={model}", f"--size={size}x{size}"]
-    for key, entry in read(path).items():
-        if entry["class_type"] in ("PixArtQ_Sampler", "KSampler"):
-            sets.append(f"--set={key}.steps={STEPS}")
-    return sets
-
-
-def tiny_size(path: Path) -> int:
-    """The image size of a bundled API workflow set by tiny_sets."""
-    kinds = {entry["class_type"] for entry in read(path).values()}
-    return KSAMPLER_SIZE if "EmptyLatentImage" in kinds else SIZE
 
 
 def queue_args(server: ComfyServer, path: Path, out: Path, *args: str) -> list[str]:

@@ -5,7 +5,7 @@ it is at a git revision (``--base``) and with the pack of this working tree, unc
 Only the pack's code differs between the two: both servers read the same tiny random model (the demo's,
 built once), the same SDXL VAE and LoRA files made from it, and get the same prompts — this working tree's
 workflows pointed at the tiny model at its native size with few steps, as the comfyui tier points them
-(``tiny_sets`` in tests/test_comfyui_workflows.py), queued by the pack's API client (cli/client.py). The
+(``tiny_sets`` in tools/tiny_workflows.py), queued by the pack's API client (cli/client.py). The
 saved PNGs are compared byte for byte, and pixel by pixel where the bytes differ.
 
     python tools/same_images.py --base main~5 [--comfyui PATH] [--python PATH]
@@ -47,9 +47,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 API_WORKFLOWS = REPO / "workflows" / "api"
 COMFYUI_CHECKOUTS = REPO.parent / "shared" / "comfyui"
-# Where the tests' server support lives: comfyui_support.py and the tier's workflow helpers in tests/,
-# comfy_server.py (the server's start and stop) in benchmarks/.
-SUPPORT = (REPO / "tests", REPO / "benchmarks")
+# The server support this script uses lives beside it (comfy_server.py, tiny_workflows.py, vae_layout.py),
+# shared with the tests and the benchmarks; nothing here imports tests/.
+TOOLS = Path(__file__).resolve().parent
 SIDES = ("base", "working tree")
 FOLDERS = ("base", "working_tree")  # each side's PNGs under --out
 SHOWN_DIGITS = 16
@@ -57,7 +57,6 @@ SHOWN_DIGITS = 16
 # the time it ran, so two runs of one workflow never give the same bytes. Without it a PNG holds the image
 # alone, and the same bytes mean the same pixels, encoded the same way.
 NO_METADATA = "--disable-metadata"
-LORA_SCALE = 0.15  # the comfyui tier's random LoRA (tests/test_comfyui_workflows.py)
 
 logger = logging.getLogger("same_images")
 
@@ -240,11 +239,12 @@ def format_table(table: list[Row]) -> str:
 
 def import_support(scratch: Path) -> None:
     """Make this working tree importable as ``pixart_lowvram`` (the repository root is the package), ahead
-    of any installed copy, and the tests' server support importable, whatever the interpreter."""
+    of any installed copy, and the server support beside this script importable, whatever the
+    interpreter."""
     link = scratch / "path" / "pixart_lowvram"
     link.parent.mkdir(parents=True)
     link.symlink_to(REPO, target_is_directory=True)
-    sys.path[:0] = [str(link.parent), *map(str, SUPPORT)]
+    sys.path[:0] = [str(link.parent), str(TOOLS)]
 
 
 def base_tree(revision: str, target: Path) -> str:
@@ -272,8 +272,8 @@ def shared_files(workflows: dict[str, dict], folder: Path) -> dict[str, dict[str
     """What both servers read, made once: the tiny model (the demo's, in the pack's home folder), and for
     the file names the workflows ask for, the model's VAE as an SDXL VAE file (models/vae) and a random
     LoRA of its transformer (models/loras). Returns {models subfolder: {name: file or folder}}."""
-    from comfyui_support import MODEL
     from safetensors.torch import load_file, save_file
+    from tiny_workflows import LORA_SCALE, MODEL
     from vae_layout import to_original_layout
 
     from pixart_lowvram.cli.random_model import ensure_random_pixart, save_random_lora
@@ -326,8 +326,7 @@ def run_side(
     linked into its models folder, queue each workflow once, and keep what it saved (its files under
     ``downloads``/workflow)."""
     import comfy_server
-    from comfyui_support import DISTRIBUTED, DISTRIBUTED_LINK
-    from test_comfyui_workflows import tiny_sets
+    from tiny_workflows import DISTRIBUTED, DISTRIBUTED_LINK, tiny_sets
 
     from pixart_lowvram.cli import client, commands
     from pixart_lowvram.core import folders, quant_cache
