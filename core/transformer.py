@@ -33,7 +33,7 @@ INPUTS = inputs.Inputs(
         compute_paths.AUTO,
         f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
         "weights (the sampler's peak about 1 GiB lower at 1024²) and give an image close to fp16's, not equal "
-        "to it; on an H100 or H200 fp8 is the fastest (docs/USAGE.md, 8-bit compute).",
+        "to it (which card takes which: docs/USAGE.md, 8-bit compute).",
         choices=list(compute_paths.COMPUTES),
         optional=True,
         checked=False,  # compute_paths.require(), against the device and the quantization

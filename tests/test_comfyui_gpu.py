@@ -125,8 +125,8 @@ def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothi
 
     comfy = comfy_cuda
     cuda = comfy.model_management.get_torch_device()
-    if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
-        pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")
+    if reason := compute_paths.unable(compute, cuda):
+        pytest.skip(reason)
     monkeypatch.setenv(fused_block.VARIABLE, fused)
     before = torch.cuda.memory_allocated(cuda)
 

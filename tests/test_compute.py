@@ -172,28 +172,46 @@ def test_a_bad_compute_is_refused_before_anything_loads(tiny, load_spy, options,
     assert load_spy.count("transformer") == 0
 
 
+def _card(monkeypatch, capability: tuple[int, int], name: str, hip: str | None = None) -> None:
+    """Fake the device facts the choice of compute reads: CUDA capability, card name, and ROCm's version."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
 def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    cuda = torch.device("cuda")
+    _card(monkeypatch, (8, 6), "NVIDIA GeForce RTX 3090")
     with pytest.raises(RuntimeError) as error:
-        compute.require("fp8", torch.device("cuda"), "qint8")
+        compute.require("fp8", cuda, "qint8")
     assert str(error.value) == (
-        "compute 'fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (RTX 40, L4, L40, H100, H200); "
-        "NVIDIA GeForce RTX 3090 is 8.6. Set compute to int8."
+        "compute 'fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (RTX 40 and later, L4, L40, H100, "
+        "H200); NVIDIA GeForce RTX 3090 is 8.6. Set compute to int8."
     )
-    compute.require("int8", torch.device("cuda"), "qint8")  # Ampere has int8 tensor cores
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    with pytest.raises(RuntimeError, match=r"is 7\.0\. Set compute to fp16\.$"):
-        compute.require("fp8", torch.device("cuda"), "qint8")
+    compute.require("int8", cuda, "qint8")  # Ampere has int8 tensor cores
+    _card(monkeypatch, (7, 0), "Tesla V100-SXM2-16GB")
+    for name in ("int8", "fp8"):
+        with pytest.raises(RuntimeError, match=r"Tesla V100-SXM2-16GB is 7\.0\. Set compute to fp16\.$"):
+            compute.require(name, cuda, "qint8")
+    # ROCm: an MI200 reports capability 9.0, and has neither path's NVIDIA tensor cores.
+    _card(monkeypatch, (9, 0), "AMD Instinct MI250X", hip="6.2.41133")
+    for name in ("int8", "fp8"):
+        with pytest.raises(RuntimeError) as error:
+            compute.require(name, cuda, "qint8")
+        assert str(error.value) == (
+            f"compute {name!r} needs {compute.TABLE[name].needs()}; AMD Instinct MI250X is an AMD GPU (ROCm). "
+            "Set compute to fp16."
+        )
+    with pytest.raises(RuntimeError, match=r"^compute 'fp8' runs on NVIDIA GPUs and the CPU, not on 'mps'"):
+        compute.require("fp8", torch.device("mps"), "qint8")
 
 
 def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
-    """``auto`` (the default) takes the measured faster path with ``fast`` only: fp8 on a compute capability 9.0
-    card with quantized weights; fp16 without fast, on other cards, unquantized, on the CPU. A value set is
-    kept as it is."""
+    """``auto`` (the default) takes the measured faster path with ``fast`` only: fp8 on an NVIDIA card of
+    compute capability 9.0 with quantized weights; fp16 without fast, on other cards, unquantized, on the
+    CPU, on ROCm, and wherever the table's compute cannot run. A value set is kept as it is."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    _card(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
     with caplog.at_level("INFO", logger=compute.__name__):
         assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp8"
     assert caplog.messages == [
@@ -203,9 +221,16 @@ def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, c
     assert compute.resolve("auto", cuda, "qint8", fast=False) == "fp16"
     assert compute.resolve("auto", cuda, "none", fast=True) == "fp16"
     assert compute.resolve("auto", torch.device("cpu"), "qint8", fast=True) == "fp16"
+    assert compute.resolve("auto", torch.device("mps"), "qint8", fast=True) == "fp16"
     for kept in ("fp16", "int8", "fp8"):
         assert compute.resolve(kept, cuda, "qint8", fast=True) == kept
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # unmeasured
+    _card(monkeypatch, (8, 9), "NVIDIA L4")  # unmeasured
+    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    _card(monkeypatch, (9, 0), "AMD Instinct MI250X", hip="6.2.41133")
+    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    # A row naming a card below its own capability: auto still takes only what the card runs.
+    monkeypatch.setitem(compute.TABLE, "fp8", dataclasses.replace(compute.TABLE["fp8"], fastest=(8, 6)))
+    _card(monkeypatch, (8, 6), "NVIDIA GeForce RTX 3090")
     assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
     settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert settings.compute == settings.transformer.compute == "fp16"
@@ -215,6 +240,11 @@ def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, c
     sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
     sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
     assert asked == [True, False, False]  # low_vram + fast keeps fp16: auto's fp8 is measured without it
+
+
+def test_auto_takes_a_compute_only_where_the_table_says_it_runs():
+    for cards in compute.TABLE.values():
+        assert cards.fastest is None or cards.fastest >= cards.capability
 
 
 def test_the_path_is_in_the_cache_key(tiny):

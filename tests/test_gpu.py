@@ -499,8 +499,8 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
 
     monkeypatch.setenv(fused_block.VARIABLE, fused)
 
-    if torch.cuda.get_device_capability(cuda) < compute_paths.CAPABILITY[compute]:
-        pytest.skip(f"compute {compute} needs compute capability {compute_paths.CAPABILITY[compute]}")
+    if reason := compute_paths.unable(compute, cuda):
+        pytest.skip(reason)
     # 128 px: 128 rows a call with guidance, above the rows at which a call takes the fp16 path.
     options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
     fp16 = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
@@ -525,7 +525,7 @@ def test_auto_compute_with_fast_runs_the_cards_measured_path(tiny, reference, cu
     from pixart_lowvram.core.quant import compute as compute_paths
 
     options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
-    expected = compute_paths.FASTEST.get(torch.cuda.get_device_capability(cuda), "fp16")
+    expected = compute_paths.resolve("auto", cuda, "qint8", fast=True)
     auto = sampler.SamplerSettings(tiny, **options, fast=True)
     assert auto.compute == auto.transformer.compute == expected
     assert sampler.SamplerSettings(tiny, **options).compute == "fp16"

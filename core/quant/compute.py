@@ -52,26 +52,42 @@ MIN_ROWS = 32
 FAST_ACCUMULATION = True
 # The activation dtypes fp8's product writes itself, bias included.
 EPILOGUE_DTYPES = (torch.float16, torch.bfloat16)
-# The smallest CUDA compute capability with the tensor cores each 8-bit path needs.
-CAPABILITY = {INT8: (7, 5), FP8: (8, 9)}
-CARDS = {INT8: "an NVIDIA GPU of compute capability 7.5 or newer (RTX 20 and later)", FP8: "an NVIDIA GPU "
-         "of compute capability 8.9 or newer (RTX 40, L4, L40, H100, H200)"}  # fmt: skip
 
-# The 8-bit path ``auto`` takes with the sampler's ``fast``, by CUDA compute capability: where it is measured
-# faster than fp16 + fast within the fidelity bound (latent cosine >= 0.995 against fp16; docs/BENCHMARKS.md,
-# compute.py). Hopper: fp8 0.80x diffusers' fp16 model, fp16 + fast 0.93x (H100). Other cards are unmeasured.
-FASTEST = {(9, 0): FP8}
+
+@dataclass(frozen=True)
+class Cards:
+    """Where an 8-bit compute runs and where ``auto`` takes it: from CUDA compute ``capability`` on (the
+    NVIDIA cards ``names``), and with the sampler's ``fast`` on the cards of capability ``fastest``
+    (``fastest_names``), where it is measured faster than fp16 + fast within the fidelity bound (latent
+    cosine >= 0.995 against fp16)."""
+
+    capability: tuple[int, int]
+    names: str
+    fastest: tuple[int, int] | None = None
+    fastest_names: str = ""
+
+    def needs(self) -> str:
+        return f"an NVIDIA GPU of compute capability {self.capability[0]}.{self.capability[1]} or newer ({self.names})"
+
+
+# Which card gets which compute: the one table that the tooltips, the command line's help, the errors and
+# ``auto`` read, and that tests/test_compute.py holds README and docs/USAGE.md to. fp8's fastest: fp8 0.80x
+# diffusers' fp16 model, fp16 + fast 0.93x (H100; docs/BENCHMARKS.md, compute.py); other cards unmeasured.
+TABLE = {
+    INT8: Cards((7, 5), "RTX 20 and later, T4, A100, H100, H200"),
+    FP8: Cards((8, 9), "RTX 40 and later, L4, L40, H100, H200", fastest=(9, 0), fastest_names="H100/H200"),
+}
 
 logger = logging.getLogger(__name__)
 
+_AUTO = ", ".join(f"{name} on {cards.fastest_names}" for name, cards in TABLE.items() if cards.fastest)
 DESCRIPTIONS = {
-    AUTO: "fp16, or with the sampler's fast (without low_vram) on an H100 or H200 fp8, faster there than fp16 "
-    "+ fast",
+    AUTO: f"fp16, or with the sampler's fast (without low_vram) {_AUTO}, faster there than fp16 + fast",
     FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
-    INT8: "int8 weights and per-token int8 activations, int8 tensor-core products (RTX 20/30/40, A100); "
-    "compiles the blocks on first use",
-    FP8: "float8 e4m3 weights and per-token activations, fp8 tensor-core products (RTX 40, L4, H100); "
-    "compiles the blocks on first use",
+    INT8: "int8 weights and per-token int8 activations, int8 tensor-core products "
+    f"({TABLE[INT8].names}); compiles the blocks on first use",
+    FP8: "float8 e4m3 weights and per-token activations, fp8 tensor-core products "
+    f"({TABLE[FP8].names}); compiles the blocks on first use",
 }
 COMPUTES = tuple(DESCRIPTIONS)
 
@@ -81,21 +97,44 @@ def tooltip() -> str:
 
 
 def resolve(compute: object, device: torch.device, scheme: object, fast: bool = False) -> object:
-    """The compute ``auto`` stands for: with ``fast`` (the sampler's, without low_vram), on a CUDA card of
-    :data:`FASTEST` with quantized weights (``scheme`` not ``none``), that card's path; otherwise fp16. Any
-    other value as it is."""
+    """The compute ``auto`` stands for: with ``fast`` (the sampler's, without low_vram), with quantized
+    weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's ``fastest`` that can run it
+    (:func:`unable`), that row's compute; otherwise fp16. Any other value as it is."""
     if compute != AUTO:
         return compute
     if not fast or device.type != "cuda" or scheme == "none":
         return FP16
-    chosen = FASTEST.get(torch.cuda.get_device_capability(device), FP16)
-    if chosen != FP16:
-        logger.info(
-            "compute auto: %s on %s with fast (set compute to fp16 for fp16's products)",
-            chosen,
-            torch.cuda.get_device_name(device),
-        )
+    capability = torch.cuda.get_device_capability(device)
+    chosen = next((name for name, cards in TABLE.items() if cards.fastest == capability), FP16)
+    if chosen == FP16 or unable(chosen, device):
+        return FP16
+    logger.info(
+        "compute auto: %s on %s with fast (set compute to fp16 for fp16's products)",
+        chosen,
+        torch.cuda.get_device_name(device),
+    )
     return chosen
+
+
+def unable(compute: str, device: torch.device) -> str | None:
+    """Why ``device`` cannot run the 8-bit ``compute``, in one line naming the compute to set instead; None
+    where it can (the CPU, an NVIDIA GPU of the :data:`TABLE`'s capability)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"compute {compute!r} runs on NVIDIA GPUs and the CPU, not on {device.type!r}; set compute to fp16."
+    name = torch.cuda.get_device_name(device)
+    cards = TABLE[compute]
+    if torch.version.hip:  # ROCm reports AMD's architecture as the capability (an MI200: 9.0)
+        return f"compute {compute!r} needs {cards.needs()}; {name} is an AMD GPU (ROCm). Set compute to fp16."
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= cards.capability:
+        return None
+    other = next((n for n, c in TABLE.items() if n != compute and capability >= c.capability), FP16)
+    return (
+        f"compute {compute!r} needs {cards.needs()}; {name} is {capability[0]}.{capability[1]}. Set compute "
+        f"to {other}."
+    )
 
 
 def require(compute: object, device: torch.device, scheme: object) -> None:
@@ -115,19 +154,9 @@ def require(compute: object, device: torch.device, scheme: object) -> None:
             f"compute 'int8' runs on qint8 weights, and quantization is {scheme!r}; set quantization to "
             f"qint8, or compute to fp8 or fp16."
         )
-    if device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < CAPABILITY[compute]:
-            name = torch.cuda.get_device_name(device)
-            other = INT8 if compute == FP8 and capability >= CAPABILITY[INT8] else FP16
-            raise RuntimeError(
-                f"compute {compute!r} needs {CARDS[compute]}; {name} is {capability[0]}.{capability[1]}. Set "
-                f"compute to {other}."
-            )
-    elif device.type != "cpu":
-        raise RuntimeError(
-            f"compute {compute!r} runs on NVIDIA GPUs and the CPU, not on {device.type!r}; set compute to fp16."
-        )
+    reason = unable(compute, device)
+    if reason:
+        raise RuntimeError(reason)
 
 
 def weight_for(compute: str, data: torch.Tensor) -> torch.Tensor:
