@@ -1,5 +1,5 @@
-"""core/ and cli/ never import ComfyUI, core/ and nodes/ never import cli/, and importing the pack has no side
-effects (no CUDA initialisation)."""
+"""core/ and cli/ never import ComfyUI, core/ and nodes/ never import cli/, importing the pack has no side
+effects (no CUDA initialisation), and tools/ and benchmarks/ import nothing from tests/."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from fresh_python import probe
 
 COMFY_MODULES = ("comfy", "comfy_api", "folder_paths", "server", "nodes", "comfy_execution", "execution")
@@ -198,3 +199,94 @@ def test_core_has_no_import_cycle():
 
     cycles = sorted(f"{a} -> {b}" for a in graph for b in graph[a] if reaches(b, a, set()))
     assert cycles == [], f"core imports in a circle: {cycles}"
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for each absolute import in ``path``: ``import a.b`` and ``from a.b import c`` (as
+    ``a.b``), ``importlib.import_module("a.b")`` with a constant name, and a constant path part ``"tests"``
+    (a folder put on sys.path, as ``REPO / "tests"``), reported as the module ``tests``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Constant) and node.value == "tests":
+            found.append((node.lineno, "tests"))
+    return found
+
+
+@pytest.mark.parametrize("folder", ["tools", "benchmarks"])
+def test_tools_and_benchmarks_import_nothing_from_tests(folder: str) -> None:
+    """What the tests share with the benchmarks and tools/ (the ComfyUI server, the tiny workflows' settings,
+    the VAE layouts) lives in tools/, which the tests import (pyproject's pytest pythonpath); tools/ and
+    benchmarks/ never import a module of tests/, whose helpers may assume pytest and its fixtures."""
+    root = Path(__file__).resolve().parents[1]
+    tests = {path.stem for path in (root / "tests").glob("*.py")} | {"tests"}
+    assert {"comfyui_support", "conftest", "test_import_boundary"} <= tests
+    files = sorted((root / folder).rglob("*.py"))
+    assert files, f"no Python file under {folder}/"
+    imports = [
+        f"{path.relative_to(root).as_posix()}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in tests
+    ]
+    assert imports == [], f"{folder}/ imports modules of tests/ (move what both need to tools/): {imports}"
+
+
+def test_the_import_scan_reads_every_kind_of_import(tmp_path: Path) -> None:
+    source = tmp_path / "example.py"
+    source.write_text(
+        textwrap.dedent(
+            """
+            import importlib, sys
+            import comfyui_support as support
+            from server_sequence import Settings
+            from . import sibling
+            sys.path.append(str(REPO / "tests"))
+            importlib.import_module("test_workflows")
+            """
+        ),
+        encoding="utf-8",
+    )
+    modules = {module for _line, module in imported_modules(source)}
+    assert modules == {
+        "importlib",
+        "sys",
+        "comfyui_support",
+        "server_sequence",
+        "tests",
+        "test_workflows",
+    }
+
+
+def test_the_pack_imports_nothing_from_tools_or_tests() -> None:
+    """The published archive leaves tools/ and tests/ out (.comfyignore, bash .ci/publish): the package
+    (``__init__.py``, core/, nodes/, cli/) imports none of their modules."""
+    root = Path(__file__).resolve().parents[1]
+    outside = {path.stem for folder in ("tools", "tests") for path in (root / folder).glob("*.py")}
+    outside |= {"tools", "tests"}
+    assert {"comfy_server", "tiny_workflows", "comfyui_support"} <= outside
+    files = [
+        root / "__init__.py",
+        *(p for f in ("core", "nodes", "cli") for p in sorted((root / f).rglob("*.py"))),
+    ]
+    imports = [
+        f"{path.relative_to(root).as_posix()}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in outside
+    ]
+    assert imports == [], f"the pack imports what its archive leaves out: {imports}"
