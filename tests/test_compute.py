@@ -15,16 +15,20 @@ scale, quantized without one, or multiplied by the wrong one is off by far more 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pixart_lowvram.cli import commands
 from pixart_lowvram.cli.random_model import save_random_lora
-from pixart_lowvram.core import lora, sampler
+from pixart_lowvram.core import lora, sampler, transformer
 from pixart_lowvram.core.quant import compute, quanto
 from pixart_lowvram.core.transformer import quantized_transformer
 
+REPO = Path(__file__).resolve().parents[1]
 FP32 = {"device": "cpu", "precision": torch.float32}
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 5}
 BOUND = {"int8": 0.015, "fp8": 0.06}
@@ -245,6 +249,43 @@ def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, c
 def test_auto_takes_a_compute_only_where_the_table_says_it_runs():
     for cards in compute.TABLE.values():
         assert cards.fastest is None or cards.fastest >= cards.capability
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_readme_usage_tooltips_and_help_name_the_tables_cards():
+    """Which card gets which compute, as README, docs/USAGE.md, the nodes' tooltips and ``--help`` say it,
+    is :data:`compute.TABLE`'s; and each card in USAGE's table of what to pick runs the 8-bit computes its
+    row names."""
+    readme, usage = (
+        _words((REPO / name).read_text(encoding="utf-8")) for name in ("README.md", "docs/USAGE.md")
+    )
+    sub = commands.build_parser()._subparsers._group_actions[0].choices["generate"]
+    (option,) = [action for action in sub._actions if "--compute" in action.option_strings]
+    said = [sampler.INPUTS["compute"].tooltip, transformer.LOADER_INPUTS["compute"].tooltip, option.help]
+    for name, cards in compute.TABLE.items():
+        for doc in (readme, usage):
+            assert f"`{name}` ({cards.names})" in doc, name
+        for text in said:
+            assert f"{name} tensor-core products ({cards.names})" in text, name
+        if cards.fastest:
+            for doc in (readme, usage):
+                assert f"`{name}` with `fast` on {cards.fastest_names}" in doc, name
+            for text in said:
+                assert f"fast (without low_vram) {name} on {cards.fastest_names}," in text, name
+            major, minor = cards.fastest
+            assert f"| {cards.fastest_names} ({major}.{minor}) | `{name}`" in usage, name
+    raw = (REPO / "docs/USAGE.md").read_text(encoding="utf-8")
+    picks = raw.split("What to pick on which card:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    assert picks
+    for row in picks:
+        card, speed, memory = row.strip("|").split(" | ")[:3]
+        capabilities = [tuple(map(int, c.split("."))) for c in re.findall(r"\d+\.\d+", card)]
+        for name, cards in compute.TABLE.items():
+            if f"`{name}`" in speed + memory:
+                assert capabilities and min(capabilities) >= cards.capability, row
 
 
 def test_the_path_is_in_the_cache_key(tiny):
