@@ -1,28 +1,25 @@
-"""What every benchmark here shares: the stamp of a run (the commit it measured and whether the tree had
-uncommitted changes, the date, the GPU, the library versions), its result written as NAME.json with the
-Markdown table made from it as NAME.md, the common command-line arguments, the prompts, and the folder for
+"""What every benchmark here shares: the stamp of a run, its result (NAME.json, and NAME.md made from it),
+the common command-line arguments, the prompts, GPU memory watched per process, and the folder for
 profiler traces (benchmarks/traces/, which git ignores).
 
-A benchmark keeps one result, benchmarks/results/NAME.json, which each run replaces: its history is the
-file's (``git log -p benchmarks/results/NAME.json``). A benchmark whose runs may measure some of its rows
-(``--only``) merges instead: the rows a run measures replace those of the same name, the others stay, and
-each row names the run that measured it (``runs``, oldest first).
+A benchmark keeps one result, benchmarks/results/NAME.json: one run, one commit, one machine. A run
+replaces it whole; its history is the file's (``git log -p benchmarks/results/NAME.json``).
 
-Where the tree is a copy (a GPU machine that receives the working tree), the commit comes from
-``$PIXART_LOWVRAM_BENCH_COMMIT`` and whether it had uncommitted changes from ``$PIXART_LOWVRAM_BENCH_DIRTY``
-(1 or 0), set where the copy was made; set, they win over a ``.git`` the copy may carry (an older one
-than its files).
+The stamp names the files that ran by their git tree hash, computed from the files themselves as ``git
+write-tree`` would for this working tree (the files git would track: those .gitignore does not exclude), so
+a copy of the tree without ``.git`` is stamped the same. Where the history is at hand the stamp also names
+the commit whose tree that is, or says that none is (uncommitted changes).
 
-The tests' server support (tests/comfy_server.py, tests/server_sequence.py) is importable once this module
-is: the benchmarks start and drive ComfyUI servers as the tests do.
+Server support (tools/comfy_server.py) is importable once this module is.
 
-    python benchmarks/harness.py                # the stamp a run here would record, as JSON
-    python benchmarks/harness.py --self-check   # merging, paths and Markdown checked, no GPU needed
+    python benchmarks/harness.py    # the stamp a run here would record, as JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import hashlib
 import json
 import os
 import platform
@@ -40,13 +37,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 TRACES = REPO / "benchmarks" / "traces"
-TESTS = REPO / "tests"
-if str(TESTS) not in sys.path:
-    sys.path.append(str(TESTS))
+TOOLS = REPO / "tools"
+if str(TOOLS) not in sys.path:
+    sys.path.append(str(TOOLS))
 
 GIB = 2**30
 SIZE, STEPS, CFG = 1024, 20, 4.5
-# The prompts of the benchmarks that run several, each with its seed.
+# The prompts of the benchmarks that run a few, each with its seed.
 PROMPTS = [
     ("a photo of a red cat sitting in a sunlit garden, detailed fur", 0),
     ("a lighthouse on a rocky coast at dusk, waves, long exposure", 1),
@@ -54,19 +51,74 @@ PROMPTS = [
     ("an astronaut riding a horse across a desert, cinematic", 3),
     ("a watercolour painting of a snowy mountain village", 4),
 ]
-PROMPT = PROMPTS[0][0]
 MODEL_HELP = (
     "a diffusers PixArt-Σ folder (the full-size architecture with random weights: python -m pixart_lowvram "
-    "demo --preset full --model-dir pixart-full --device cuda --steps 2)"
+    "demo --preset full --model-dir pixart-full --device cuda --steps 1)"
 )
-COMMIT_VARIABLE, DIRTY_VARIABLE = "PIXART_LOWVRAM_BENCH_COMMIT", "PIXART_LOWVRAM_BENCH_DIRTY"
 
 
 # ---- the stamp --------------------------------------------------------------------------------------
 
 
+def ignore_patterns(root: Path) -> list[str]:
+    source = root / ".gitignore"
+    lines = source.read_text(encoding="utf-8").splitlines() if source.is_file() else []
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def ignored(relative: str, is_dir: bool, patterns: list[str]) -> bool:
+    """Whether git would ignore ``relative`` (a path under the root, '/'-separated) by these .gitignore
+    patterns: a pattern with a slash inside or in front matches the whole path from the root, one without
+    matches a name at any depth; a trailing slash matches folders only. Negations are not used here."""
+    name = relative.rsplit("/", 1)[-1]
+    for pattern in patterns:
+        if pattern.endswith("/"):
+            if not is_dir:
+                continue
+            pattern = pattern[:-1]
+        if "/" in pattern:
+            if fnmatch.fnmatchcase(relative, pattern.lstrip("/")):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
+
+
+def tree_hash(root: Path = REPO) -> str:
+    """The git tree hash of the files under ``root`` that git would track (``git add -A; git write-tree``),
+    computed from the files alone: blobs and trees hashed as git hashes them."""
+    patterns = ignore_patterns(root)
+
+    def obj(kind: str, data: bytes) -> bytes:
+        return hashlib.sha1(f"{kind} {len(data)}\0".encode() + data).digest()
+
+    def tree(folder: Path, prefix: str) -> bytes | None:
+        entries = []
+        for path in folder.iterdir():
+            relative = prefix + path.name
+            if path.name == ".git" or ignored(relative, path.is_dir() and not path.is_symlink(), patterns):
+                continue
+            if path.is_symlink():
+                entries.append((path.name, "120000", obj("blob", os.readlink(path).encode())))
+            elif path.is_dir():
+                sub = tree(path, relative + "/")
+                if sub is not None:  # git keeps no empty folders
+                    entries.append((path.name + "/", "40000", sub))
+            else:
+                mode = "100755" if os.access(path, os.X_OK) else "100644"
+                entries.append((path.name, mode, obj("blob", path.read_bytes())))
+        if not entries:
+            return None
+        entries.sort(key=lambda entry: entry[0].encode())  # a folder sorts as its name and "/", as in git
+        data = b"".join(f"{m} {n.rstrip('/')}".encode() + b"\0" + digest for n, m, digest in entries)
+        return obj("tree", data)
+
+    found = tree(Path(root), "")
+    return (found or obj("tree", b"")).hex()
+
+
 def git(*args: str) -> str | None:
-    """``git args`` in this repository, its output; None where there is no git or no checkout."""
+    """``git args`` in this repository, its output; None where there is no git or no history."""
     try:
         done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
     except OSError:
@@ -74,22 +126,16 @@ def git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def checkout() -> dict:
-    """The commit the tree is at and whether its tracked files differ from it: from the environment where
-    ``$PIXART_LOWVRAM_BENCH_COMMIT`` is set (a copy of the tree), else from git."""
-    given = os.environ.get(COMMIT_VARIABLE)
-    commit = None if given else git("rev-parse", "HEAD")
-    if commit:
-        status = git("status", "--porcelain", "--untracked-files=no")
-        return {"commit": commit, "dirty": None if status is None else bool(status)}
-    dirty = os.environ.get(DIRTY_VARIABLE)
-    return {
-        "commit": given,
-        "dirty": None if dirty is None else dirty not in ("0", ""),
-        "commit_note": f"from ${COMMIT_VARIABLE}, set where the tree was copied"
-        if given
-        else f"not known: the tree was not a git checkout and ${COMMIT_VARIABLE} was not set",
-    }
+def commit_of(tree: str) -> dict:
+    """The commit whose tree is ``tree`` (the oldest, on any branch), or why none is named."""
+    history = git("log", "--all", "--reverse", "--format=%H %T")
+    if history is None:
+        return {"commit": None, "commit_note": "no git history here to look the tree up in"}
+    for line in history.splitlines():
+        commit, _, its_tree = line.partition(" ")
+        if its_tree == tree:
+            return {"commit": commit, "commit_note": "the commit whose tree ran"}
+    return {"commit": None, "commit_note": "no commit has this tree: the run had uncommitted changes"}
 
 
 def comfyui_version(comfyui: Path | None) -> str | None:
@@ -113,25 +159,25 @@ def package_version(name: str) -> str | None:
 
 
 def stamp(comfyui: Path | None = None, packages: tuple[str, ...] = ()) -> dict:
-    """What a run measured and on what: the commit, the UTC date, the GPU (its name and memory, or "cpu"),
-    Python, torch, diffusers, transformers, where a ComfyUI checkout is used its version, and the version
-    of each of ``packages`` the benchmark names."""
+    """What a run measured and on what: the tree (and its commit), the UTC date, the GPU (its name, memory
+    and UUID, or "cpu"), Python, torch, diffusers, transformers, where a ComfyUI checkout is used its
+    version, and the version of each of ``packages`` the benchmark names."""
     import torch
 
-    gpu, memory, count = "cpu", None, 0
+    tree = tree_hash()
+    gpu = {"gpu": "cpu", "gpu_memory_gib": None, "gpu_uuid": None}
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
-        gpu, memory, count = (
-            properties.name,
-            round(properties.total_memory / GIB, 1),
-            torch.cuda.device_count(),
-        )
+        gpu = {
+            "gpu": properties.name,
+            "gpu_memory_gib": round(properties.total_memory / GIB, 1),
+            "gpu_uuid": str(getattr(properties, "uuid", "")) or None,
+        }
     return {
-        **checkout(),
+        "tree": tree,
+        **commit_of(tree),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "gpu_memory_gib": memory,
-        "gpu_count": count,
+        **gpu,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "diffusers": package_version("diffusers"),
@@ -142,16 +188,11 @@ def stamp(comfyui: Path | None = None, packages: tuple[str, ...] = ()) -> dict:
 
 
 def stamp_line(stamp: dict) -> str:
-    """One line for a Markdown head: date, GPU, commit, versions."""
+    """One line for a Markdown head: date, GPU, commit (or tree), versions."""
     gpu = stamp.get("gpu") or "GPU not recorded"
-    if stamp.get("gpu_count", 1) and stamp.get("gpu_count", 1) > 1:
-        gpu = f"{stamp['gpu_count']} × {gpu}"
     if stamp.get("gpu_memory_gib"):
         gpu += f" ({stamp['gpu_memory_gib']:g} GiB)"
-    commit = (stamp.get("commit") or "unknown")[:10]
-    tree = {True: "with uncommitted changes", False: "clean", None: "changes not recorded"}[
-        stamp.get("dirty")
-    ]
+    ran = f"commit {stamp['commit'][:10]}" if stamp.get("commit") else f"tree {stamp['tree'][:10]}"
     versions = ", ".join(
         f"{label} {stamp[key]}"
         for key, label in (
@@ -164,29 +205,18 @@ def stamp_line(stamp: dict) -> str:
         if stamp.get(key)
     )
     versions += "".join(f", {name} {version}" for name, version in (stamp.get("packages") or {}).items())
-    return f"{str(stamp.get('date', '?'))[:10]}, {gpu}, commit {commit} ({tree}); {versions}."
+    return f"{str(stamp.get('date', '?'))[:10]}, {gpu}, {ran}; {versions}."
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
 
 
-def parser(
-    doc: str,
-    name: str,
-    *,
-    model_dir: bool = True,
-    comfyui: bool = False,
-    size: int | None = None,
-    steps: int | None = None,
-    only: bool = False,
-) -> argparse.ArgumentParser:
-    """The benchmark's command line with the arguments they share: ``--out``, ``--name`` and ``--render``
-    always; the model folder, the ComfyUI checkout, the image size, the steps and ``--only`` (rows by name)
-    where asked."""
+def parser(doc: str, name: str, *, comfyui: bool = False) -> argparse.ArgumentParser:
+    """The benchmark's command line with the arguments they share: ``--model-dir``, ``--out``, ``--render``,
+    and the ComfyUI checkout where asked."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(benchmark=name)
-    if model_dir:
-        p.add_argument("--model-dir", type=Path, help=MODEL_HELP)
+    p.add_argument("--model-dir", type=Path, help=MODEL_HELP)
     if comfyui:
         p.add_argument(
             "--comfyui",
@@ -194,21 +224,10 @@ def parser(
             default=os.environ.get("COMFYUI_PATH"),
             help="a ComfyUI checkout, used in place (default: $COMFYUI_PATH)",
         )
-    if size is not None:
-        p.add_argument("--size", type=int, default=size, help="image width and height in px (%(default)s)")
-    if steps is not None:
-        p.add_argument("--steps", type=int, default=steps, help="sampling steps (%(default)s)")
-    if only:
-        p.add_argument(
-            "--only", action="append", default=[], metavar="ROW", help="a row by name (repeatable)"
-        )
     p.add_argument(
-        "--out", type=Path, default=RESULTS, help="the folder for NAME.json and NAME.md (benchmarks/results)"
+        "--out", type=Path, default=RESULTS, help=f"the folder for {name}.json and {name}.md (%(default)s)"
     )
-    p.add_argument("--name", default=name, help="the result's name (%(default)s)")
-    p.add_argument(
-        "--render", action="store_true", help="write NAME.md again from NAME.json in --out, and stop"
-    )
+    p.add_argument("--render", action="store_true", help=f"write {name}.md again from {name}.json, and stop")
     return p
 
 
@@ -218,19 +237,13 @@ def parse(
     *,
     title: str = "",
     render: Callable[[dict], str] | None = None,
-    required: tuple[str, ...] = (),
 ) -> argparse.Namespace:
     """The parsed arguments; with ``--render`` the Markdown is written again from the JSON and the process
-    ends. ``required``: arguments (by their dest) a measuring run needs."""
+    ends."""
     args = p.parse_args(argv)
-    if args.render:
-        if render is None:
-            p.error(f"{args.benchmark} has no Markdown to render")
-        print(rewrite_markdown(args.out, args.name, title, render))
+    if args.render and render is not None:
+        print(rewrite_markdown(args.out, args.benchmark, title, render))
         raise SystemExit(0)
-    for dest in required:
-        if getattr(args, dest, None) is None:
-            p.error(f"give --{dest.replace('_', '-')}")
     return args
 
 
@@ -262,14 +275,8 @@ def recorded(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
 def command(argv: list[str] | None = None) -> str:
     """This process's command line as a results file records it."""
     argv = sys.argv if argv is None else argv
-    words = []
-    for word in argv[1:]:
-        option, equals, value = word.partition("=")
-        words.append(
-            f"{option}={portable(value)}" if equals and value.startswith("/") else str(portable(word))
-        )
-    script = Path(argv[0])
-    return shlex.join(["python", f"benchmarks/{script.name}", *words])
+    words = [str(portable(word)) for word in argv[1:]]
+    return shlex.join(["python", f"benchmarks/{Path(argv[0]).name}", *words])
 
 
 # ---- results ------------------------------------------------------------------------------------------
@@ -290,75 +297,27 @@ def run(
     return {"stamp": stamp(comfyui, packages), "arguments": recorded(p, args), "command": command()}
 
 
-def write(
-    args: argparse.Namespace,
-    data: dict,
-    *,
-    run: dict,
-    title: str,
-    render: Callable[[dict], str],
-    merge: str | None = None,
-) -> dict:
-    """NAME.json in ``args.out`` (``data`` with the ``run`` that measured it) and NAME.md made from it.
-    ``merge``: the key of ``data`` (name: row) whose rows join those already there (see the module's doc)."""
+def write(args: argparse.Namespace, data: dict, *, run: dict, title: str, render: Callable) -> dict:
+    """NAME.json in ``args.out`` (``data`` with the ``run`` that measured it, replacing what was there) and
+    NAME.md made from it."""
     result = {"benchmark": args.benchmark, **run, **portable(data)}
-    if merge:
-        result |= merged(load(args.out, args.name), result[merge], run, merge)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    (Path(args.out) / f"{args.name}.md").write_text(markdown_text(title, result, render), encoding="utf-8")
+    path = Path(args.out) / f"{args.benchmark}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (Path(args.out) / f"{args.benchmark}.md").write_text(
+        markdown_text(title, result, render), encoding="utf-8"
+    )
     return result
 
 
-def merged(previous: dict | None, rows: dict, run: dict, key: str = "rows") -> dict:
-    """``runs`` and ``key``: the previous result's rows that ``rows`` does not measure again, each with its
-    run, then (in the previous order, new names last) the rows of this ``run``. The runs keep their order
-    (this one last), so a row's run number changes only where an earlier run no longer names a row."""
-    previous = previous or {}
-    # A result written without runs was measured by one: its own stamp's.
-    alone = {key: previous[key] for key in ("stamp", "arguments", "command") if key in previous}
-    runs = previous.get("runs") or [alone]
-    kept = {name: dict(row) for name, row in previous.get(key, {}).items()}
-    for row in kept.values():
-        row["run"] = runs[row.get("run", 0)]
-    kept |= {name: {**row, "run": run} for name, row in rows.items()}
-    named = [row["run"] for row in kept.values()]
-    ordered: list[dict] = []
-    for each in runs:  # the previous runs that still name a row, in their order; this run last
-        if each != run and each in named and each not in ordered:
-            ordered.append(each)
-    ordered += [run] if run in named else []
-    for row in kept.values():
-        row["run"] = ordered.index(row["run"])
-    return {"runs": ordered, key: kept}
-
-
-def head(result: dict) -> str:
-    """The Markdown head of a result: its stamp, or each run's where its rows come from several."""
-    runs = result.get("runs")
-    if not runs:
-        line = stamp_line(result["stamp"])
-        return line + (f" `{result['command']}`" if result.get("command") else "")
-    lines = ["Each row names the run that measured it:", ""]
-    for index, run in enumerate(runs):
-        line = f"{index + 1}. {stamp_line(run['stamp'])}"
-        line += f" `{run['command']}`" if run.get("command") else ""
-        lines.append(line + (f" {run['note'][0].upper()}{run['note'][1:]}." if run.get("note") else ""))
-    return "\n".join(lines)
-
-
-def run_of(result: dict, row: dict) -> str:
-    """A row's run as its table cell: the run's number in the head's list."""
-    return str(row["run"] + 1) if isinstance(row.get("run"), int) else "–"
-
-
 def markdown_text(title: str, result: dict, render: Callable[[dict], str]) -> str:
-    """A result's Markdown: the title, the stamp (or the runs) and the benchmark's own tables."""
-    return f"# {title}\n\n{head(result)}\n\n{render(result).rstrip()}\n"
+    """A result's Markdown: the title, the stamp, the command and the benchmark's own tables."""
+    head = stamp_line(result["stamp"]) + (f" `{result['command']}`" if result.get("command") else "")
+    return f"# {title}\n\n{head}\n\n{render(result).rstrip()}\n"
 
 
 def rewrite_markdown(out: Path, name: str, title: str, render: Callable[[dict], str]) -> str:
-    """NAME.md again from NAME.json (a result kept from an earlier run, or one whose table changed)."""
+    """NAME.md again from NAME.json."""
     result = load(out, name)
     if result is None:
         raise SystemExit(f"--render: no {name}.json in {out}")
@@ -377,47 +336,67 @@ def traces(name: str) -> Path:
 # ---- measuring ---------------------------------------------------------------------------------------
 
 
-def png_seconds(image) -> float:
-    """Seconds to write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG,
-    compress level 4): what a server prompt pays on top of the generation, for the anchor's side of the
-    comparison (not in the anchor's seconds)."""
-    import io
-
+def save_png(image, path: Path) -> float:
+    """Write ``image`` ([B, C, H, W] in 0..1) as ComfyUI's SaveImage writes it (8-bit PNG, compress level 4)
+    to ``path``; the seconds it took."""
     import numpy as np
     from PIL import Image
 
     start = time.perf_counter()
-    for picture in image:
+    for index, picture in enumerate(image):
         pixels = (picture.permute(1, 2, 0).numpy() * 255.0).clip(0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
+        Image.fromarray(pixels).save(path.with_suffix(f".{index}.png"), compress_level=4)
     return time.perf_counter() - start
 
 
-class CardUsed:
-    """The whole card's used memory (``cudaMemGetInfo``, what NVML's "used" reads: every process and
-    context, the server's and this client's), polled every 10 ms while it is entered; ``peak`` in bytes."""
+class GpuWatch:
+    """GPU memory in use while it is entered, polled every 10 ms through NVML: ``peak`` of the processes
+    ``pids`` together (what the card gives them: their CUDA contexts, torch's and any other allocator's
+    memory) and ``card_peak`` of the whole card; both None where NVML cannot tell (no NVIDIA GPU, no
+    pynvml, or per-process figures withheld)."""
 
-    def __init__(self, enabled: bool = True):
-        self.peak, self._stop, self.enabled = 0, threading.Event(), enabled
+    def __init__(self, pids: list[int]):
+        self.pids, self.peak, self.card_peak = set(pids), None, None
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._device = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML: nothing to watch
+            self._nvml = None
+
+    def read(self) -> tuple[int | None, int]:
+        processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._device)
+        used = [p.usedGpuMemory for p in processes if p.pid in self.pids]
+        own = sum(used) if used and None not in used else None
+        return own, self._nvml.nvmlDeviceGetMemoryInfo(self._device).used
 
     def _poll(self) -> None:
-        import torch
-
         while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
+            own, card = self.read()
+            if own is not None:
+                self.peak = max(self.peak or 0, own)
+            self.card_peak = max(self.card_peak or 0, card)
             self._stop.wait(0.01)
 
     def __enter__(self):
-        if not self.enabled:
-            self._stop.set()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
+        self._thread = None
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def card_free() -> int | None:
+    """The whole card's free memory now (NVML), None without NVML."""
+    watch = GpuWatch([])
+    return None if watch._nvml is None else watch._nvml.nvmlDeviceGetMemoryInfo(watch._device).free
 
 
 # ---- tables and workflows --------------------------------------------------------------------------
@@ -453,83 +432,5 @@ def without(workflow: dict, kinds: tuple[str, ...]) -> dict:
     return kept
 
 
-class SelfCheckFailed(AssertionError):
-    """A self-check found the merging, the paths or the Markdown not as they must be."""
-
-
-def self_check() -> list[str]:
-    """What the results files rely on, without a GPU: the names of the checks, each raising
-    :class:`SelfCheckFailed` where it fails."""
-    import tempfile
-
-    def expect(condition: bool, what: str) -> None:
-        if not condition:
-            raise SelfCheckFailed(what)
-
-    done = []
-    first = {"stamp": {"commit": "a" * 40, "date": "2026-01-01"}, "arguments": {}}
-    second = {"stamp": {"commit": "b" * 40, "date": "2026-01-02"}, "arguments": {"only": ["y"]}}
-    result = {"stamp": first["stamp"], "arguments": {}, **merged(None, {"x": {"v": 1}, "y": {"v": 2}}, first)}
-    expect(result["runs"] == [first] and {r["run"] for r in result["rows"].values()} == {0}, f"{result}")
-    again = merged(result, {"y": {"v": 3}}, second)
-    expect(again["runs"] == [first, second], f"runs {again['runs']}")
-    expect(again["rows"] == {"x": {"v": 1, "run": 0}, "y": {"v": 3, "run": 1}}, f"rows {again['rows']}")
-    done.append("a run replaces the rows it measured and keeps the others with their runs")
-    replaced = merged({**again, "stamp": second["stamp"]}, {"x": {"v": 4}, "y": {"v": 5}}, second)
-    expect(replaced["runs"] == [second], f"a run no row names stayed: {replaced['runs']}")
-    expect(merged(replaced, {"x": {"v": 6}}, second)["runs"] == [second], "the same run was counted twice")
-    done.append("a run no row names goes, and writing one run twice keeps one")
-    alone = merged(
-        {"stamp": first["stamp"], "arguments": {}, "rows": {"x": {"v": 1}}}, {"y": {"v": 2}}, second
-    )
-    expect(alone["runs"][0]["stamp"] == first["stamp"] and alone["rows"]["x"]["run"] == 0, f"{alone}")
-    done.append("a result written without runs keeps its stamp for its rows")
-    third = {"stamp": {"commit": "c" * 40, "date": "2026-01-03"}, "arguments": {}}
-    three_rows = {"runs": [first, second], "rows": {**again["rows"], "z": {"v": 7, "run": 0}}}
-    kept_order = merged(three_rows, {"x": {"v": 8}}, third)
-    expect(kept_order["runs"] == [first, second, third], f"runs {kept_order['runs']}")
-    numbers = {name: row["run"] for name, row in kept_order["rows"].items()}
-    expect(numbers == {"x": 2, "y": 1, "z": 0}, f"{numbers}")
-    done.append("the runs keep their order when a run replaces the first rows")
-    paths = {
-        "/tmp/a/b/server": "server",
-        "--base-directory=/home/x/y": "--base-directory=y",
-        "sqlite:////tmp/x/db.sqlite": "sqlite:///db.sqlite",
-        "http://127.0.0.1:8188/view": "http://127.0.0.1:8188/view",
-        "workflows/api/x.json": "workflows/api/x.json",
-    }
-    for given, kept in paths.items():
-        expect(portable(given) == kept, f"portable({given!r}) is {portable(given)!r}, not {kept!r}")
-    expect(portable({"a": [Path("/x/y/z"), ("/p/q",)]}) == {"a": ["z", ["q"]]}, "portable of nested values")
-    done.append("a results file names no machine's folders")
-    with tempfile.TemporaryDirectory() as folder:
-        args = argparse.Namespace(out=Path(folder), name="check", benchmark="harness")
-
-        def render(result: dict) -> str:
-            return "\n".join(
-                table(
-                    ["row", "run", "v"], [[n, run_of(result, r), r["v"]] for n, r in result["rows"].items()]
-                )
-            )
-
-        run1 = {"stamp": first["stamp"], "arguments": {}, "command": "python benchmarks/harness.py"}
-        write(args, {"rows": {"x": {"v": 1}}}, run=run1, title="Check", render=render, merge="rows")
-        written = write(
-            args, {"rows": {"y": {"v": 2}}}, run=second, title="Check", render=render, merge="rows"
-        )
-        text = (Path(folder) / "check.md").read_text(encoding="utf-8")
-        expect(
-            text == rewrite_markdown(Path(folder), "check", "Check", render), "--render gave other Markdown"
-        )
-        expect("| x | 1 | 1 |" in text and "| y | 2 | 2 |" in text and "2. 2026-01-02" in text, text)
-        expect(written["stamp"] == second["stamp"], "the result's stamp is not its last run's")
-    done.append("NAME.md is made from NAME.json, the same again with --render")
-    return done
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--self-check"]:
-        for name in self_check():
-            print(f"ok: {name}")
-    else:
-        print(json.dumps(stamp(), indent=1))
+    print(json.dumps(stamp(), indent=1))

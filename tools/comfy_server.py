@@ -118,6 +118,7 @@ def started(
     custom_nodes: dict[str, Path] | None = None,
     pack: bool = True,
     env: dict[str, str] | None = None,
+    launch: tuple[str, ...] = (),
 ) -> Iterator[Server]:
     """ComfyUI from the checkout ``comfyui`` on 127.0.0.1 and a free port, with ``base`` as its base
     directory: custom_nodes/ links to this repository (unless ``pack`` is False) and holds each of
@@ -125,7 +126,8 @@ def started(
     ``models``.
     $COMFYUI_EXTRA_ARGS (split as a shell would) goes last on its command line, e.g. ``--disable-api-nodes
     --front-end-root DIR`` where ComfyUI's front-end and API-node packages are not installed. ``env`` adds
-    to the server's environment.
+    to the server's environment; ``launch`` goes between the interpreter and main.py (a script that
+    starts main.py itself).
     The server (its whole process group) is stopped on exit; its log is ``base``/server.log."""
     comfyui = Path(comfyui).resolve()
     if not (comfyui / "main.py").is_file():
@@ -147,6 +149,7 @@ def started(
     log = base / "server.log"
     command = [
         python,
+        *launch,
         "main.py",
         "--listen",
         "127.0.0.1",
