@@ -59,7 +59,7 @@ import uuid
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
-import harness  # first: the tests' server support (comfy_server) is importable once it is
+import harness  # first: tools/ (comfy_server) is importable once it is
 
 # isort: split
 import comfy_server
@@ -365,7 +365,9 @@ def markdown(result: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = harness.parser(__doc__, "soak", comfyui=True, size=512, steps=20)
+    p = harness.parser(__doc__, "soak", comfyui=True)
+    p.add_argument("--size", type=int, default=512, help="image width and height in px (%(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="sampling steps (%(default)s)")
     where = p.add_argument_group("the server")
     where.add_argument("--server", help="attach to this running ComfyUI (http://127.0.0.1:PORT or localhost)")
     where.add_argument("--pid", type=int, help="with --server: its process id (default: found by its port)")
