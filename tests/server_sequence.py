@@ -1,6 +1,6 @@
 """The ComfyUI sequence: the pack in a real ComfyUI server, through the HTTP API and the websocket, step by
 step, with the server's device memory read after each step (tests/test_comfyui_gpu.py runs it on the GPU
-with the tiny model; benchmarks/comfyui_sequence.py on a server it starts, at full size).
+with the tiny model).
 
 The steps, in order (each one bounded by a timeout; a failed step does not stop the ones after it):
   1. pack loaded: /object_info has the pack's node types, the startup log no Traceback and no import failure

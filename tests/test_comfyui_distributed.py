@@ -162,8 +162,8 @@ def distributed(prompt: dict, seed: int | None = None) -> dict:
 
 
 def test_the_distributed_example_is_the_basic_workflow_with_the_engines_nodes():
-    """workflows/api/pixart_lowvram_distributed_api.json (docs/USAGE.md, Many GPUs / machines; the benchmark
-    benchmarks/distributed.py queues it) is the bundled basic API workflow with this module's two nodes."""
+    """workflows/api/pixart_lowvram_distributed_api.json (docs/USAGE.md, Many GPUs / machines) is the bundled
+    basic API workflow with this module's two nodes."""
     basic = json.loads(API_WORKFLOW.read_text(encoding="utf-8"))
     assert json.loads(EXAMPLE.read_text(encoding="utf-8")) == distributed(basic, seed=0)
 

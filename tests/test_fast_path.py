@@ -2,7 +2,7 @@
 tensors (as on every path), compiled. On the CPU: the same latents as the eager sampler, the layers
 replaced with quanto's own values,
 streaming (low-VRAM) composing with it, two compiled graphs for all blocks, clear errors, and the model
-freed like any other. Speed and memory are the benchmark's (benchmarks/sampler_paths.py); the GPU tier
+freed like any other. Speed and memory are the benchmark's (benchmarks/compute.py); the GPU tier
 compiles with inductor."""
 
 from __future__ import annotations
