@@ -2,7 +2,7 @@
 (ComfyUI) is asked to make before the stage loads. Each stage's settings object calls these
 (``device_bytes``); the per-scheme figures are the schemes' own (``quant.Scheme.device_bytes``).
 
-Measured on PixArt-Σ XL at 1024², batch 1, cfg on (benchmarks/results/stages.md, peaks allocated); the
+Measured on PixArt-Σ XL at 1024², batch 1, cfg on (peaks allocated, in the retired stages benchmark: `git log -p -- benchmarks/results/stages.json`); the
 run's part scales with pixels × batch. Smaller models get the XL figures: asking for too much room only
 unloads more of the host's models than needed, asking for too little can run out of memory.
 """

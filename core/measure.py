@@ -79,7 +79,8 @@ def prefer_expandable_segments() -> bool:
     only: elsewhere PyTorch does not offer them). Call before CUDA's first allocation (the command line
     does, at its start). With them the stages' memory goes back to the driver and comes back without the
     allocator's fragmentation: measured on an H200 at 1024², GPU peak reserved 2.65 GiB instead of 2.92 for
-    2.62 allocated, at the same speed within the run's spread (docs/BENCHMARKS.md). Returns whether it set
+    2.62 allocated, at the same speed within the run's spread (git log -p -- benchmarks/results/warm.json).
+    Returns whether it set
     them."""
     if not sys.platform.startswith("linux") or os.environ.get(ALLOCATOR_SETTINGS):
         return False

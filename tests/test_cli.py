@@ -100,7 +100,7 @@ def test_only_the_queue_command_needs_the_http_libraries(tmp_path):
 
 
 def test_the_command_line_asks_for_expandable_segments_unless_told_otherwise(monkeypatch):
-    """Expandable segments (a lower reserved peak and faster later prompts, docs/BENCHMARKS.md) unless the
+    """Expandable segments (a lower reserved peak and faster later prompts) unless the
     allocator's settings were chosen; on Linux, where PyTorch offers them."""
     import sys
 

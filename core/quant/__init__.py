@@ -86,8 +86,8 @@ class Scheme:
 
 
 _T5_NF4 = "set quantization to nf4 (T5-XXL in 2.7 GiB)"
-# T5-XXL while it encodes, bf16 compute: nf4/fp4 2.62 GiB, nf4-recipe 4.01 GiB, bf16 9.01 GiB (measured,
-# benchmarks/results/stages.md); int8 is not measured: about a byte per parameter (4.8 B) plus the bf16
+# T5-XXL while it encodes, bf16 compute: nf4/fp4 2.62 GiB, nf4-recipe 4.01 GiB, bf16 9.01 GiB (measured
+# by the retired stages benchmark: git log -p -- benchmarks/results/stages.json); int8 is not measured: about a byte per parameter (4.8 B) plus the bf16
 # `wo` projections kept out of it (1.0 B parameters).
 TEXT_ENCODER_SCHEMES: dict[str, Scheme] = {
     scheme.name: scheme

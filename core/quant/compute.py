@@ -71,8 +71,8 @@ class Cards:
 
 
 # Which card gets which compute: the one table that the tooltips, the command line's help, the errors and
-# ``auto`` read, and that tests/test_compute.py holds README and docs/USAGE.md to. fp8's fastest: fp8 0.80x
-# diffusers' fp16 model, fp16 + fast 0.93x (H100; docs/BENCHMARKS.md, compute.py); other cards unmeasured.
+# ``auto`` read, and that tests/test_compute.py holds README and docs/USAGE.md to. fp8's fastest: measured
+# on an H100 by benchmarks/compute.py (git log -p -- benchmarks/results/compute.json); other cards unmeasured.
 TABLE = {
     INT8: Cards((7, 5), "RTX 20 and later, T4, A100, H100, H200"),
     FP8: Cards((8, 9), "RTX 40 and later, L4, L40, H100, H200", fastest=(9, 0), fastest_names="H100/H200"),
