@@ -2,8 +2,9 @@
 
 ComfyUI's PixArt (``comfy/ldm/pixart``, the same code in v0.3.64, v0.8.0 and v0.33.0) and diffusers'
 ``PixArtTransformer2DModel`` are one architecture; diffusers' forward, the Quanto PixArt Sampler's, is the
-faster of the two (one batch-2 forward at 1024² on an H200: 39.0 against 53.5 ms, git log -p -- benchmarks/results/run_costs.json: its
-attention runs torch's own kernel order and its blocks do fewer separate elementwise steps). ComfyUI's
+faster of the two (one batch-2 forward at 1024² on an H200: 39.0 against 53.5 ms, in the history of
+benchmarks/results/run_costs.json: its attention runs torch's own kernel order and its blocks do fewer
+separate elementwise steps). ComfyUI's
 PixArt takes no ``transformer_options`` (no attention override, block patch or wrapper reaches its blocks),
 so running diffusers' blocks instead changes nothing a ComfyUI patch could have changed.
 
