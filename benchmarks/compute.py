@@ -1,37 +1,35 @@
 """The sampler's ``compute`` paths against fp16, on the GPU: the block's matrix products, the sampler stage
-alone, and each path's fidelity prompt by prompt.
+alone, each path's fidelity prompt by prompt, and where each path's GPU time goes.
 
     python benchmarks/compute.py --model-dir pixart-full
 
 (the full-size random model: ``python -m pixart_lowvram demo --preset full --model-dir pixart-full --device
-cuda --steps 2``). Writes compute.json and compute.md to --out (benchmarks/results): the parts a run measures
-replace those of the result, the others stay, each naming its run. Three parts, in one process:
+cuda --steps 2``). Writes compute.json and compute.md to --out (benchmarks/results), again after each row so
+that a run cut short keeps what it measured. Three parts, in one process (``--part`` names some of them):
 
 - ``kernels``: each linear layer of a PixArt-Σ block at 1024² with guidance (M = 8192 rows: two images of
   4096 tokens; the cross-attention's k and v take the caption's 2 × 300), median of 50 after warm-up:
   fp16 ``F.linear``; the pack's int8 and fp8 layers eager (the activation's quantization as separate ops);
-  then attn1's q/k/v, ff1 and ff2 compiled (inductor) together with the op before each as it runs in the block (LayerNorm and
-  the adaLN modulation before q, k, v and ff1; tanh-GELU before ff2; nothing before the attention's output
-  projection), the fp16 layer compiled the same way beside it; and comfy-kitchen's ``int8_linear``
-  (tensor-wise weight scale, per-token activations) where it is installed. Then each fused quantization
-  kernel (core/quant/fused_kernels.py) at its shape, GPU time in CUDA graphs, beside the same op eager and
-  a copy of its input.
+  then attn1's q/k/v, ff1 and ff2 compiled (inductor) together with the op before each as it runs in the
+  block (LayerNorm and the adaLN modulation before q, k, v and ff1; tanh-GELU before ff2; nothing before the
+  attention's output projection), the fp16 layer compiled the same way beside it; and comfy-kitchen's
+  ``int8_linear`` (tensor-wise weight scale, per-token activations) where it is installed. Then each fused
+  quantization kernel (core/quant/fused_kernels.py) at its shape, GPU time in CUDA graphs, beside the same
+  op eager and a copy of its input.
 - ``sampler``: the sampler stage alone, 1024², 20 steps, cfg 4.5, dpmsolver++ (the settings below), the
   transformer kept loaded so that only the steps and the stage's own work count; median of the later runs
   after the first (which loads and compiles). Rows: diffusers' fp16 transformer in its own pipeline (the
-  fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16 (defaults), fp16 + fast,
-  int8 and fp8 each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization
-  kernels, the default on CUDA with Triton) and ``=0`` (``"fused": false``: each layer quantizes its
-  input, inductor fusing what it can). With each its GPU peak allocated during a run (the kept weights
-  included).
-- ``fidelity`` (in the sampler part): five prompts (the harness's, each with its seed) encoded once by the
-  pack's T5 stage; each 8-bit path's latents against compute fp16's, prompt by prompt (cosine), and the
-  decoded images' PSNR (8-bit pixels). Random weights are not trained weights: these say how far the 8-bit
-  arithmetic moves this network, not how a trained model's pictures change.
-
-``--profile`` measures a fourth part alone, ``profile``: CUDA kernel time by kind per transformer forward,
-and the GPU's busy time against the wall clock, of compiled fp16 + fast, fp8 (fast and exact
-accumulation) and int8 with each layer quantizing its input, and fp8 with the fused quantization.
+  fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16, fp16 + fast, int8 and fp8
+  each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization kernels, the default
+  on CUDA with Triton) and ``=0`` (``"fused": false``: each layer quantizes its input, inductor fusing what
+  it can). With each its GPU peak allocated during a run (the kept weights included). Then the fidelity:
+  five prompts (the harness's, each with its seed) encoded once by the pack's T5 stage; each 8-bit path's
+  latents against compute fp16's, prompt by prompt (cosine), and the decoded images' PSNR (8-bit pixels).
+  Random weights are not trained weights: these say how far the 8-bit arithmetic moves this network, not
+  how a trained model's pictures change.
+- ``profile``: CUDA kernel time by kind per transformer forward, and the GPU's busy time against the wall
+  clock, of compiled fp16 + fast, fp8 (fast and exact accumulation) and int8 with each layer quantizing its
+  input, and fp8 with the fused quantization.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ SETTINGS = {
     "scheduler": "dpmsolver++",
 }
 COMPUTE_ROWS = {
-    "pack compute fp16 (defaults)": {"compute": "fp16"},
+    "pack compute fp16": {"compute": "fp16"},
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
     "pack compute int8, fused quantization": {"compute": "int8", "fused": True},
     "pack compute fp8, fused quantization": {"compute": "fp8", "fused": True},
@@ -74,7 +72,7 @@ FUSED_SHAPES = [
     ("quantize_rows", (8192, 1152)),
     ("gelu_quantize", (8192, 4608)),
 ]
-FIDELITY_REFERENCE = "pack compute fp16 (defaults)"
+FIDELITY_REFERENCE = "pack compute fp16"
 # PixArt-Σ XL's block at 1024² with guidance: (name, in, out, rows, the op before it).
 HIDDEN, FF, TOKENS, CAPTION = 1152, 4608, 2 * 4096, 2 * 300
 SHAPES = [
@@ -88,6 +86,15 @@ SHAPES = [
 # The layers also measured compiled with the op before them (one of each kind: a compile costs seconds).
 COMPILED = ("attn1 q/k/v", "ff1", "ff2")
 RUNS = 4  # sampler runs per row: the first loads and compiles, the others are measured
+# The profiled rows: the sampler's options and fp8's fast accumulation (Hopper's; off: exact).
+PROFILE_ROWS = {
+    "fp16 + fast": ({"compute": "fp16", "fast": True}, True),
+    "fp8, quantization unfused": ({"compute": "fp8", "fused": False}, True),
+    "fp8, exact accumulation, quantization unfused": ({"compute": "fp8", "fused": False}, False),
+    "int8, quantization unfused": ({"compute": "int8", "fused": False}, True),
+    "fp8, fused quantization": ({"compute": "fp8", "fused": True}, True),
+}
+PARTS = ("kernels", "sampler", "profile")
 
 
 def median_ms(fn, repeat: int = 50, warmup: int = 10) -> float:
@@ -234,34 +241,47 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
     }
 
 
-def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
-    """A sampler row; ``"fused"`` in ``options`` runs it with ``PIXART_LOWVRAM_FUSED_QUANT`` 1 (True: the
-    fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`) or 0 (False)."""
-    from pixart_lowvram.core import sampler, vae
+def sampler_settings(source, options: dict, seed: int, quant_cache: Path):
+    from pixart_lowvram.core import sampler
+
+    options = {key: value for key, value in options.items() if key != "fused"}
+    return sampler.SamplerSettings(
+        source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
+    )
+
+
+@contextlib.contextmanager
+def isolated(options: dict):
+    """A row on its own: its blocks compiled afresh, ``PIXART_LOWVRAM_FUSED_QUANT`` 1 or 0 where its
+    ``options`` say ``"fused"`` (True: the fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`;
+    False: each layer quantizes its input; absent: the pack's default), and its kept transformer dropped
+    after."""
     from pixart_lowvram.core.pool import cache
+    from pixart_lowvram.core.quant import block
 
-    options = dict(options)
+    torch._dynamo.reset()
     if "fused" in options:
-        fused = options.pop("fused")
-        with _fused(fused):
-            return pack_row(source, prompts, options, quant_cache, decoder) | {
-                "options": {**options, "fused": fused}
-            }
-    torch._dynamo.reset()  # each row compiles its own blocks
+        os.environ[block.VARIABLE] = "1" if options["fused"] else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(block.VARIABLE, None)
+        cache.clear()
+        torch.cuda.empty_cache()
 
-    def settings(seed):
-        return sampler.SamplerSettings(
-            source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
-        )
 
-    embeds, seed = prompts[0]
-    runs = [timed(lambda: sampler.sample(settings(seed), embeds)) for _ in range(RUNS)]
-    outputs = []
-    for embeds, seed in prompts:
-        latents = sampler.sample(settings(seed), embeds)
-        outputs.append((latents, vae.decode(decoder, latents)))
-    cache.clear()
-    torch.cuda.empty_cache()
+def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict:
+    """A sampler row: its runs timed on the first prompt, then each prompt's latents and image."""
+    from pixart_lowvram.core import sampler, vae
+
+    with isolated(options):
+        embeds, seed = prompts[0]
+        settings = sampler_settings(source, options, seed, quant_cache)
+        runs = [timed(lambda: sampler.sample(settings, embeds)) for _ in range(RUNS)]
+        outputs = []
+        for embeds, seed in prompts:
+            latents = sampler.sample(sampler_settings(source, options, seed, quant_cache), embeds)
+            outputs.append((latents, vae.decode(decoder, latents)))
     return {
         "options": options,
         "seconds": [round(s, 4) for s, _, _ in runs],
@@ -270,17 +290,6 @@ def pack_row(source, prompts, options: dict, quant_cache: Path, decoder) -> dict
         "peak_allocated": max(p for _, _, p in runs[1:]),
         "outputs": outputs,
     }
-
-
-@contextlib.contextmanager
-def _fused(fused: bool):
-    from pixart_lowvram.core.quant import block
-
-    os.environ[block.VARIABLE] = "1" if fused else "0"
-    try:
-        yield
-    finally:
-        del os.environ[block.VARIABLE]
 
 
 def graph_us(fn, calls: int = 20, repeat: int = 20) -> float:
@@ -340,26 +349,16 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from pixart_lowvram.core import sampler
-    from pixart_lowvram.core.pool import cache
-
-    options = dict(options)
-    if "fused" in options:
-        fused = options.pop("fused")
-        with _fused(fused):
-            return profile_row(source, prompts, options, quant_cache) | {
-                "options": {**options, "fused": fused}
-            }
 
     embeds, seed = prompts[0]
-    settings = sampler.SamplerSettings(
-        source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
-    )
-    for _ in range(2):  # load, compile, warm
-        sampler.sample(settings, embeds)
-    later = timed(lambda: sampler.sample(settings, embeds))[0]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        sampler.sample(settings, embeds)
-        torch.cuda.synchronize()
+    settings = sampler_settings(source, options, seed, quant_cache)
+    with isolated(options):
+        for _ in range(2):  # load, compile, warm
+            sampler.sample(settings, embeds)
+        later = timed(lambda: sampler.sample(settings, embeds))[0]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sampler.sample(settings, embeds)
+            torch.cuda.synchronize()
     kinds: dict[str, float] = {}
     kernels = [event for event in prof.key_averages() if event.device_type == DeviceType.CUDA]
     for event in kernels:
@@ -370,8 +369,6 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
         kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + total / 1000
     forwards = SETTINGS["steps"]
-    cache.clear()
-    torch.cuda.empty_cache()
     top = sorted(
         kernels,
         key=lambda e: -(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)),
@@ -412,38 +409,30 @@ def fmt(value) -> str:
 
 
 def markdown(result: dict) -> str:
-    """Each part's table, headed by its run."""
-    parts = result["parts"]
+    """Each part's table."""
     lines = []
-    kernel_rows = parts.get("kernels", {}).get("layers", [])
-    if kernel_rows:
-        lines += [
-            f"## The block's linear layers at 1024² with guidance (ms, median of 50; run "
-            f"{harness.run_of(result, parts['kernels'])})",
-            "",
-        ]
-        keys = [k for k in kernel_rows[0] if k not in ("in", "out")]
-        extra = [k for row in kernel_rows for k in row if k not in keys and k not in ("in", "out")]
-        keys += list(dict.fromkeys(extra))
-        lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in kernel_rows])
+    layers, fused_rows = result.get("layers"), result.get("fused_kernels")
+    if layers:
+        keys = list(dict.fromkeys(k for row in layers for k in row if k not in ("in", "out")))
+        lines += ["## The block's linear layers at 1024² with guidance (ms, median of 50)", ""]
+        lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in layers])
         lines.append("")
-    fused_rows = parts.get("kernels", {}).get("fused", [])
     if fused_rows:
         lines += [
-            "## The fused quantization kernels at 1024² with guidance (µs of GPU time, CUDA graphs; fused: the pack's "
-            "Triton kernel; eager: the same op as separate torch ops; copy: one read and one write of the "
-            f"input; run {harness.run_of(result, parts['kernels'])})",
+            "## The fused quantization kernels at 1024² with guidance (µs of GPU time, CUDA graphs; fused: the "
+            "pack's Triton kernel; eager: the same op as separate torch ops; copy: one read and one write of "
+            "the input)",
             "",
         ]
         keys = list(fused_rows[0])
         lines += harness.table(keys, [[fmt(row.get(k, "–")) for k in keys] for row in fused_rows])
         lines.append("")
-    sampler_rows = parts.get("sampler", {}).get("rows", {})
+    sampler_rows, s = result.get("sampler"), result["settings"]
     if sampler_rows:
         anchor = sampler_rows.get("diffusers fp16 transformer", {}).get("later")
         lines += [
-            f"## The sampler stage alone: {SETTINGS['width']}², {SETTINGS['steps']} steps, cfg {SETTINGS['cfg']}, "
-            f"{SETTINGS['scheduler']}, transformer kept loaded (run {harness.run_of(result, parts['sampler'])})",
+            f"## The sampler stage alone: {s['width']}², {s['steps']} steps, cfg {s['cfg']}, {s['scheduler']}, "
+            "transformer kept loaded",
             "",
         ]
         cells = []
@@ -452,16 +441,10 @@ def markdown(result: dict) -> str:
                 cells.append([name, "–", f"failed: {row['error']}", "", "", "", "", ""])
                 continue
             fid = row.get("fidelity")
-            cos = (
-                f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}"
-                if fid
-                else "–"
-            )
-            ps = (
-                f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB"
-                if fid
-                else "–"
-            )
+            cos, ps = "–", "–"
+            if fid:
+                cos = f"{min(fid['latent_cosine']):.5f} / {statistics.mean(fid['latent_cosine']):.5f}"
+                ps = f"{fmt(min(fid['image_psnr_db']))} / {fmt(statistics.mean(fid['image_psnr_db']))} dB"
             cells.append(
                 [
                     name,
@@ -482,96 +465,93 @@ def markdown(result: dict) -> str:
             f"{FIDELITY_REFERENCE}'s. Random weights, not trained ones.",
             "",
         ]
-    profile = parts.get("profile", {}).get("rows", {})
+    profile = result.get("profile")
     if profile:
         kinds = list(dict.fromkeys(kind for row in profile.values() for kind in row["ms_per_forward"]))
-        lines += [
-            f"## CUDA kernel time by kind per transformer forward, a later compiled run (ms; run "
-            f"{harness.run_of(result, parts['profile'])})",
-            "",
-        ]
+        lines += ["## CUDA kernel time by kind per transformer forward, a later compiled run (ms)", ""]
         cells = [
-            [name, json.dumps(row["options"]), f"{row['later_seconds']:.3f} s"]
-            + [f"{row['gpu_busy_seconds']:.3f} s" if "gpu_busy_seconds" in row else "–"]
+            [
+                name,
+                json.dumps(row["options"]),
+                f"{row['later_seconds']:.3f} s",
+                f"{row['gpu_busy_seconds']:.3f} s",
+            ]
             + [fmt(row["ms_per_forward"].get(kind, 0.0)) for kind in kinds]
             for name, row in profile.items()
         ]
-        lines += harness.table(["compute", "options", "20 steps", "GPU busy", *kinds], cells)
+        lines += harness.table(["compute", "options", f"{s['steps']} steps", "GPU busy", *kinds], cells)
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = harness.parser(__doc__, "compute", only=True)
-    p.add_argument("--skip-kernels", action="store_true")
-    p.add_argument("--kernels-only", action="store_true", help="the kernels part alone")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="only the kernel time by kind of compiled fp16, fp8 and int8 runs",
-    )
-    args = harness.parse(p, argv, title=TITLE, render=markdown, required=("model_dir",))
-    from pixart_lowvram.core import models, vae
+def sampler_part(args, source, prompts, quant_cache: Path, rows: dict, write) -> None:
+    """The sampler rows into ``rows``, each 8-bit path's fidelity against :data:`FIDELITY_REFERENCE`."""
+    from pixart_lowvram.core import vae
 
-    run = harness.run(p, args, packages=("comfy-kitchen",))
-    parts: dict = {}
-
-    def write() -> str:
-        result = harness.write(args, {"parts": parts}, run=run, title=TITLE, render=markdown, merge="parts")
-        return harness.markdown_text(TITLE, result, markdown)
-
-    source = models.resolve_model(str(args.model_dir))
-    quant_cache = Path(tempfile.mkdtemp(prefix="compute-")) / "quant_cache"
-    if args.profile:
-        prompts = encode_prompts(source, quant_cache)
-        from pixart_lowvram.core.quant import compute
-
-        rows = {
-            "fp16 + fast": ({"compute": "fp16", "fast": True}, True),
-            "fp8, quantization unfused": ({"compute": "fp8", "fused": False}, True),
-            "fp8, exact accumulation, quantization unfused": ({"compute": "fp8", "fused": False}, False),
-            "int8, quantization unfused": ({"compute": "int8", "fused": False}, True),
-            "fp8, fused quantization": ({"compute": "fp8", "fused": True}, True),
-        }
-        parts["profile"] = {"rows": {}}
-        for name, (options, fast_accumulation) in rows.items():
-            compute.FAST_ACCUMULATION = fast_accumulation
-            torch._dynamo.reset()
-            parts["profile"]["rows"][name] = profile_row(source, prompts, options, quant_cache)
-            write()
-        compute.FAST_ACCUMULATION = True
-        print(write())
-        return 0
-    if not args.skip_kernels:
-        parts["kernels"] = {"layers": kernels(), "fused": fused_kernels()}
-        write()
-    if args.kernels_only:
-        print(write())
-        return 0
-    prompts = encode_prompts(source, quant_cache)
     decoder = vae.DecoderSettings(source, device="cuda")
-    sampler_rows = {"diffusers fp16 transformer": diffusers_fp16(args.model_dir, prompts)}
-    parts["sampler"] = {"rows": sampler_rows}
+    rows["diffusers fp16 transformer"] = diffusers_fp16(args.model_dir, prompts)
     torch.cuda.empty_cache()  # its transformer went with its frame
     write()
     outputs = {}
     for name, options in COMPUTE_ROWS.items():
-        if args.only and name not in args.only and name != FIDELITY_REFERENCE:
-            continue
         try:
             row = pack_row(source, prompts, options, quant_cache, decoder)
         except Exception as exc:
-            sampler_rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"{name}: {exc!r}", file=sys.stderr)
             continue
         outputs[name] = row.pop("outputs")
         if name != FIDELITY_REFERENCE and FIDELITY_REFERENCE in outputs:
             row["fidelity"] = fidelity(outputs[name], outputs[FIDELITY_REFERENCE])
-        sampler_rows[name] = row
-        print(
-            name, json.dumps({k: v for k, v in row.items() if k != "options"}, default=str), file=sys.stderr
-        )
+        rows[name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k != "options"}), file=sys.stderr)
         write()
-    print(write())
+
+
+def profile_part(source, prompts, quant_cache: Path, rows: dict, write) -> None:
+    from pixart_lowvram.core.quant import compute
+
+    try:
+        for name, (options, fast_accumulation) in PROFILE_ROWS.items():
+            compute.FAST_ACCUMULATION = fast_accumulation
+            rows[name] = profile_row(source, prompts, options, quant_cache)
+            write()
+    finally:
+        compute.FAST_ACCUMULATION = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "compute")
+    p.add_argument(
+        "--part", choices=PARTS, action="append", help="a part to measure (repeatable; all by default)"
+    )
+    args = harness.parse(p, argv, title=TITLE, render=markdown)
+    if args.model_dir is None:
+        p.error("give --model-dir")
+    if not torch.cuda.is_available():
+        p.error("compute measures on a CUDA GPU; none is available")
+    from pixart_lowvram.core import models
+
+    parts = args.part or PARTS
+    run = harness.run(p, args, packages=("comfy-kitchen",))
+    data: dict = {"settings": SETTINGS}
+
+    def write() -> None:
+        harness.write(args, data, run=run, title=TITLE, render=markdown)
+
+    source = models.resolve_model(str(args.model_dir))
+    quant_cache = Path(tempfile.mkdtemp(prefix="compute-")) / "quant_cache"
+    if "kernels" in parts:
+        data["layers"] = kernels()
+        data["fused_kernels"] = fused_kernels()
+        write()
+    if "sampler" in parts or "profile" in parts:
+        prompts = encode_prompts(source, quant_cache)
+    if "sampler" in parts:
+        sampler_part(args, source, prompts, quant_cache, data.setdefault("sampler", {}), write)
+    if "profile" in parts:
+        profile_part(source, prompts, quant_cache, data.setdefault("profile", {}), write)
+    result = harness.write(args, data, run=run, title=TITLE, render=markdown)
+    print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
 
