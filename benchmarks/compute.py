@@ -362,29 +362,19 @@ def profile_row(source, prompts, options: dict, quant_cache: Path) -> dict:
     kinds: dict[str, float] = {}
     kernels = [event for event in prof.key_averages() if event.device_type == DeviceType.CUDA]
     for event in kernels:
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if not total or event.key.startswith(("Memcpy", "Memset")):
+        if not event.device_time_total or event.key.startswith(("Memcpy", "Memset")):
             continue
         name = event.key.lower()
         kind = next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + total / 1000
+        kinds[kind] = kinds.get(kind, 0.0) + event.device_time_total / 1000
     forwards = SETTINGS["steps"]
-    top = sorted(
-        kernels,
-        key=lambda e: -(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)),
-    )[:12]
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:12]
     return {
         "options": options,
         "later_seconds": later,
         "gpu_busy_seconds": round(sum(kinds.values()) / 1000, 4),
         "ms_per_forward": {kind: round(ms / forwards, 3) for kind, ms in sorted(kinds.items())},
-        "top_kernels": [
-            (
-                e.key[:90],
-                round((getattr(e, "device_time_total", None) or e.cuda_time_total) / 1000 / forwards, 3),
-            )
-            for e in top
-        ],
+        "top_kernels": [(e.key[:90], round(e.device_time_total / 1000 / forwards, 3)) for e in top],
     }
 
 
