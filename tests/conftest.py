@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gc
+import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,29 @@ def pack_home(tmp_path_factory: pytest.TempPathFactory):
         patch.setenv(quant_cache.ENV, str(home / "quantized"))
         patch.setenv("MPLCONFIGDIR", str(tmp_path_factory.mktemp("matplotlib")))
         yield home
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiler_caches(tmp_path_factory: pytest.TempPathFactory):
+    """torch.compile's caches and every temporary file are under the session's temporary folder (which a
+    passing run deletes), for the tests and the processes they start (TMPDIR). Otherwise inductor keeps
+    them in the system's temporary folder after the run: its cache in ``torchinductor_<user>``, and its
+    precompiled headers (150 MB) in a folder it chose when it was imported, at collection, whatever
+    TORCHINDUCTOR_CACHE_DIR says. Set over any the environment names."""
+    from torch._inductor import codecache
+
+    folder = tmp_path_factory.mktemp("torchinductor")
+    scratch = tmp_path_factory.mktemp("tmp")
+    headers = folder / "precompiled_headers"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+        patch.setenv("TRITON_CACHE_DIR", str(folder / "triton"))
+        patch.setenv("TMPDIR", str(scratch))
+        patch.setattr(tempfile, "tempdir", str(scratch))
+        if hasattr(codecache, "_HEADER_DIR"):  # else tests/test_cache_folders.py fails, saying why
+            patch.setattr(codecache, "_HEADER_DIR", str(headers))
+            patch.setattr(codecache, "_HEADER_LOCK_DIR", str(headers / "locks"))
+        yield folder
 
 
 @pytest.fixture(scope="session")

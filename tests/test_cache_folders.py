@@ -1,7 +1,8 @@
 """The folders the pack writes to of its own accord: one variable (PIXART_LOWVRAM_HOME) places them all,
 PIXART_LOWVRAM_QUANT_CACHE moves the pre-quantized weights alone, the tests keep them out of the user's
-home, and a folder that cannot be written costs a warning where it is optional (the pre-quantized
-weights: the run goes on without them) and one line naming the fix where it is needed (the demo's model).
+home (and torch.compile's caches in the run's temporary folder), and a folder that cannot be written costs
+a warning where it is optional (the pre-quantized weights: the run goes on without them) and one line
+naming the fix where it is needed (the demo's model).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,33 @@ def test_a_run_leaves_the_users_home_untouched(tmp_path, pack_home):
         quant_cache.source_of(entry)["source"] for entry in quant_cache.entries(pack_home / "quantized")
     ]
     assert str(pack_home / "random-tiny" / "text_encoder") in made_from
+
+
+def test_compiled_code_is_cached_in_the_sessions_temporary_folder(tmp_path_factory, compiler_caches):
+    """inductor's cache and precompiled headers, for the tests and the processes they start, are in pytest's
+    temporary folder (which a passing run deletes), not in the system's temporary folder, where they outlive
+    the run (~150 MB after a run of this tier)."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir, triton_cache_dir
+
+    base = tmp_path_factory.getbasetemp()
+    assert Path(cache_dir()) == compiler_caches and compiler_caches.is_relative_to(base)
+    assert Path(triton_cache_dir(0)).is_relative_to(base)
+    assert Path(default_cache_dir()).is_relative_to(base)
+    headers = getattr(codecache, "_HEADER_DIR", "")
+    assert Path(headers).is_relative_to(base), (
+        f"inductor's precompiled headers go to {headers!r}: see conftest"
+    )
+    assert Path(tempfile.gettempdir()).is_relative_to(base)
+    code = (
+        "import tempfile; from torch._inductor import codecache; "
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+        "print(cache_dir(), codecache._HEADER_DIR, tempfile.gettempdir())"
+    )
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    folder, headers, temporary = map(Path, started.stdout.split())
+    assert folder == compiler_caches
+    assert headers.is_relative_to(base) and temporary.is_relative_to(base)
 
 
 @pytest.mark.parametrize("setting", ["--quant-cache", quant_cache.ENV, folders.HOME_ENV])
