@@ -1,5 +1,5 @@
 """The front page (README.md) names, where a user looks when ComfyUI does not start, the torch/torchvision
-pair that the comfyui tier installs on a CPU-only set-up."""
+pair that the comfyui tier installs, and where the two commands are, the torch that .ci/setup installs."""
 
 from __future__ import annotations
 
@@ -26,3 +26,18 @@ def test_install_and_troubleshooting_name_the_torch_pair_ci_installs():
     ):
         assert pair in text, f"{where} does not name {pair}"
         assert "operator torchvision::nms does not exist" in text, where
+
+
+def test_the_docs_name_the_torch_each_script_installs():
+    """`.venv` has the torch .ci/setup installs, named where the two commands are; ComfyUI's venvs the
+    pair .ci/comfyui installs. No other torch version is named."""
+    setup = re.search(r"TORCH_SPEC=\$\{TORCH_SPEC:-torch==([^}\s]+)\}", (REPO / ".ci" / "setup").read_text())
+    comfyui = re.search(r"COMFYUI_TORCH_SPEC:-torch==(\S+) ", (REPO / ".ci" / "comfyui").read_text())
+    installed = {setup.group(1), comfyui.group(1)}
+    assert f"torch {setup.group(1)}'s CPU build" in section(README, "Two commands")
+    for name in ("README.md", "docs/CONTRIBUTING.md", "docs/USAGE.md"):
+        text = (REPO / name).read_text(encoding="utf-8")
+        named = set(re.findall(r"\btorch(?:==| )(\d+\.\d+\.\d+)", text))
+        assert named <= installed, (
+            f"{name} names torch {sorted(named - installed)}; the scripts install {installed}"
+        )
