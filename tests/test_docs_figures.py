@@ -33,6 +33,10 @@ SETTINGS = {
     "5 %": "soak.py's bound on RSS growth; attention's near-tie margin (attention.MARGIN)",
     "cosine ≥ 0.995": "the fidelity bound an 8-bit path must keep to be auto's (compute.Cards)",
     "321 MB": "the tiny model's size on disk, fixed by its shapes; the demo says it (test_cli_first_hour.py)",
+    "339 MB": "comfy-cli's venv on disk (CONTRIBUTING's caches; comfy-cli pinned in .ci/publish)",
+    "2.2 GB": ".venv on disk (CONTRIBUTING's caches; torch and Triton pinned in .ci/setup)",
+    "2.4 GB": "a failing test run's temporary folder (CONTRIBUTING's caches)",
+    "7.2 GB": "a ComfyUI version's venv on disk (CONTRIBUTING's caches; torch pinned in .ci/comfyui)",
     "80GB": "part of a card's name as torch reports it (NVIDIA H100 80GB HBM3)",
     "10 ms": "how often the harness polls NVML for a row's peak (harness.py)",
 }
