@@ -374,7 +374,10 @@ class GpuWatch:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            own, card = self.read()
+            try:
+                own, card = self.read()
+            except self._nvml.NVMLError:  # figures withheld: the peaks stay as far as they were read
+                return
             if own is not None:
                 self.peak = max(self.peak or 0, own)
             self.card_peak = max(self.card_peak or 0, card)
@@ -396,7 +399,10 @@ class GpuWatch:
 def card_free() -> int | None:
     """The whole card's free memory now (NVML), None without NVML."""
     watch = GpuWatch([])
-    return None if watch._nvml is None else watch._nvml.nvmlDeviceGetMemoryInfo(watch._device).free
+    try:
+        return None if watch._nvml is None else watch._nvml.nvmlDeviceGetMemoryInfo(watch._device).free
+    except watch._nvml.NVMLError:
+        return None
 
 
 # ---- tables and workflows --------------------------------------------------------------------------
