@@ -555,8 +555,14 @@ def main(argv: list[str] | None = None) -> int:
         settings["work"] = args.work or Path(scratch)
         settings["work"].mkdir(parents=True, exist_ok=True)
         for group in args.group or GROUPS:
+            if until and time.time() > until:
+                print(f"{group}: not started, past --until", file=sys.stderr)
+                continue
             rows |= run_group(group, settings, args.rounds, until)
-    result = harness.write(args, {"rows": summarize(rows)}, run=run, title=TITLE, render=markdown)
+            # after each group: a run cut short keeps the groups it finished
+            result = harness.write(args, {"rows": summarize(rows)}, run=run, title=TITLE, render=markdown)
+    if not rows:
+        return 1
     print(harness.markdown_text(TITLE, result, markdown))
     return 0
 
