@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import fused
-from .compute import E4M3, FP8, INT8, Rows
+from .compute import E4M3, E4M3_MAX, FP8, INT8, INT8_MAX, Rows
 
 try:
     import triton
@@ -31,6 +31,8 @@ except ImportError:  # the references run instead; the kernels below are then pl
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 DTYPES = {INT8: torch.int8, FP8: E4M3}
+# The 8-bit ranges of .compute, as the constants a kernel may read from its module.
+_E4M3_MAX, _INT8_MAX = (tl.constexpr(E4M3_MAX), tl.constexpr(INT8_MAX)) if tl is not None else (None, None)
 
 
 @_jit
@@ -38,13 +40,13 @@ def _store_rows(y, row, cols, inside, values, scales, K, FP8: tl.constexpr):
     # ``y``: the float32 row, 0 outside it.
     absmax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
     if FP8:
-        scale = tl.div_rn(absmax, 448.0)
-        q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -448.0), 448.0)
+        scale = tl.div_rn(absmax, _E4M3_MAX)
+        q = tl.minimum(tl.maximum(y * tl.div_rn(1.0, scale), -_E4M3_MAX), _E4M3_MAX)
         power = (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
         rounder = tl.maximum(power, 0.015625) * 1572864.0  # 1.5 × 2²⁰ × max(2^⌊log2|q|⌋, 2⁻⁶)
         q = ((q + rounder) - rounder).to(tl.float8e4nv)
     else:
-        scale = tl.div_rn(absmax, 127.0)
+        scale = tl.div_rn(absmax, _INT8_MAX)
         q = y * tl.div_rn(1.0, scale)
         q = ((q + 12582912.0) - 12582912.0).to(tl.int8)  # 1.5 × 2²³: round half to even
     tl.store(values + row * K + cols, q, mask=inside)
