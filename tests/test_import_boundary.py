@@ -227,6 +227,16 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def imports_of(files: list[Path], modules: set[str], root: Path) -> list[str]:
+    """Where ``files`` import one of ``modules`` (by its top-level name): "path:line imports module"."""
+    return [
+        f"{path.relative_to(root).as_posix()}:{line} imports {module}"
+        for path in files
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in modules
+    ]
+
+
 @pytest.mark.parametrize("folder", ["tools", "benchmarks"])
 def test_tools_and_benchmarks_import_nothing_from_tests(folder: str) -> None:
     """What the tests share with the benchmarks and tools/ (the ComfyUI server, the tiny workflows' settings,
@@ -237,12 +247,7 @@ def test_tools_and_benchmarks_import_nothing_from_tests(folder: str) -> None:
     assert {"comfyui_support", "conftest", "test_import_boundary"} <= tests
     files = sorted((root / folder).rglob("*.py"))
     assert files, f"no Python file under {folder}/"
-    imports = [
-        f"{path.relative_to(root).as_posix()}:{line} imports {module}"
-        for path in files
-        for line, module in imported_modules(path)
-        if module.split(".")[0] in tests
-    ]
+    imports = imports_of(files, tests, root)
     assert imports == [], f"{folder}/ imports modules of tests/ (move what both need to tools/): {imports}"
 
 
@@ -283,10 +288,5 @@ def test_the_pack_imports_nothing_from_tools_or_tests() -> None:
         root / "__init__.py",
         *(p for f in ("core", "nodes", "cli") for p in sorted((root / f).rglob("*.py"))),
     ]
-    imports = [
-        f"{path.relative_to(root).as_posix()}:{line} imports {module}"
-        for path in files
-        for line, module in imported_modules(path)
-        if module.split(".")[0] in outside
-    ]
+    imports = imports_of(files, outside, root)
     assert imports == [], f"the pack imports what its archive leaves out: {imports}"
