@@ -62,16 +62,17 @@ ROWS: dict[str, dict] = {
     "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), as shipped": {"workflow": LORA},
     CORE: {"core": True},
 }
+GROUPS = {"card": list(ROWS)}
 # Each small card in a group of its own, core's server started last: Dynamic VRAM's headroom is measured at
 # a server's start, so it counts the other servers' idle memory only where they were started before it.
-for card, workflow in ((8, "basic"), (4, "low-VRAM")):
-    ROWS[f"{ANCHOR}, beside the {card} GB card"] = {"anchor": True}
-    ROWS[f"{card} GB card: {workflow} workflow, as shipped"] = {
-        "workflow": BASIC if card == 8 else LOW_VRAM,
-        "card_gb": card,
+for card, label, file in ((8, "basic", BASIC), (4, "low-VRAM", LOW_VRAM)):
+    group = {
+        f"{ANCHOR}, beside the {card} GB card": {"anchor": True},
+        f"{card} GB card: {label} workflow, as shipped": {"workflow": file, "card_gb": card},
+        f"{card} GB card: {CORE}": {"core": True, "card_gb": card},
     }
-    ROWS[f"{card} GB card: {CORE}"] = {"core": True, "card_gb": card}
-GROUPS = {"card": list(ROWS)[:6], "8 GB card": list(ROWS)[6:9], "4 GB card": list(ROWS)[9:]}
+    ROWS |= group
+    GROUPS[f"{card} GB card"] = list(group)
 CORE_FILES = {  # ComfyUI models folder: file name
     "text_encoders": "t5xxl_fp16.safetensors",
     "diffusion_models": "pixart_sigma.safetensors",
