@@ -23,15 +23,9 @@ MANAGER = "comfy.model_management"
 def own_usage() -> int:
     """This process's memory on the card (its CUDA context, before any allocation), 0 where NVML cannot
     tell."""
-    try:
-        import pynvml
+    import harness  # beside this file, on the path as the script's folder
 
-        pynvml.nvmlInit()
-        device = pynvml.nvmlDeviceGetHandleByIndex(0)
-        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(device)
-        return sum(p.usedGpuMemory or 0 for p in processes if p.pid == os.getpid())
-    except Exception:  # no NVML: the cap is the whole card
-        return 0
+    return harness.GpuWatch([os.getpid()]).own_now() or 0
 
 
 def limit(card: int) -> None:

@@ -219,15 +219,16 @@ def row_workflow(row: dict, settings: dict) -> dict:
     return workflow
 
 
-def server_args(row: dict, settings: dict) -> tuple[tuple[str, ...], dict]:
-    """A server row's ComfyUI arguments and environment: for a small card, the launcher and Dynamic VRAM's
-    headroom (the real card's free memory now, less the card)."""
+def server_args(row: dict, settings: dict) -> tuple[tuple[str, ...], tuple[str, ...], dict]:
+    """A server row's launcher, ComfyUI arguments and environment: for a small card, benchmarks/card_limit.py,
+    Dynamic VRAM's headroom (the real card's free memory now, less the card) and the card's size."""
     if "card_gb" not in row:
-        return (), {}
+        return (), (), {}
+    launch = (str(Path(__file__).with_name("card_limit.py")),)
     env = {"PIXART_LOWVRAM_CARD_GIB": str(row["card_gb"])}
     free = None if settings["cpu"] else harness.card_free()
     args = () if free is None else ("--vram-headroom", f"{max(free / harness.GIB - row['card_gb'], 0):.2f}")
-    return args, env
+    return launch, args, env
 
 
 @contextmanager
@@ -251,9 +252,8 @@ def server_row(name: str, row: dict, settings: dict, work: Path):
 
         save_random_lora(settings["model_dir"], base / "models" / "loras" / LORA_FILE, rank=16, scale=0.02)
     workflow = row_workflow(row, settings)
-    args, env = server_args(row, settings)
+    launch, args, env = server_args(row, settings)
     row["server_args"], row["server_env"] = list(args), env
-    launch = (str(Path(__file__).with_name("card_limit.py")),) if "card_gb" in row else ()
     with comfy_server.started(
         settings["comfyui"],
         base,

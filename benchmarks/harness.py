@@ -366,6 +366,15 @@ class GpuWatch:
         except Exception:  # no NVML: nothing to watch
             self._nvml = None
 
+    def own_now(self) -> int | None:
+        """What ``pids`` hold on the card now; None where NVML cannot tell."""
+        if self._nvml is None:
+            return None
+        try:
+            return self.read()[0]
+        except self._nvml.NVMLError:
+            return None
+
     def read(self) -> tuple[int | None, int]:
         processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._device)
         used = [p.usedGpuMemory for p in processes if p.pid in self.pids]
