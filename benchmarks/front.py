@@ -321,7 +321,7 @@ def run_group(group: str, settings: dict, rounds: int, until: float | None) -> d
                     runs[name] = stack.enter_context(server_row(name, row["config"], settings, work))
                 row["first"] = runs[name](0, *prompt_of(0))
             except Exception as exc:  # a row that cannot start or run is a result
-                row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                row["error"] = said(exc)
                 runs.pop(name, None)
             print(f"{group}: {name}: started", file=sys.stderr)
         started = time.time()
@@ -337,7 +337,7 @@ def run_group(group: str, settings: dict, rounds: int, until: float | None) -> d
                 try:
                     record = runs[name](index, text, seed)
                 except Exception as exc:
-                    rows[name]["error"] = f"round {index}: {type(exc).__name__}: {exc}"[:2000]
+                    rows[name]["error"] = f"round {index}: {said(exc)}"
                     runs.pop(name)
                     continue
                 rows[name]["prompts"].append(record | {"round": index, "text": text, "seed": seed})
@@ -390,10 +390,19 @@ def peak(row: dict) -> str:
     return f"{value / harness.GIB:.2f} GiB" + (f" (over {card} GB)" if over else "")
 
 
+def said(exc: Exception, keep: int = 2000) -> str:
+    """An error as a row records it: its first line and the end of the rest (a server's log ends with
+    the traceback that stopped it)."""
+    text = f"{type(exc).__name__}: {exc}"
+    first, _, rest = text.partition("\n")
+    return first if not rest else f"{first}\n{rest[-keep:]}"
+
+
 def outcome(row: dict) -> str:
     if "error" not in row:
         return ""
-    return "out of memory" if "memory" in row["error"].lower() else "failed"
+    error = row["error"]
+    return "out of memory" if "OutOfMemoryError" in error or "out of memory" in error.lower() else "failed"
 
 
 def group_table(result: dict, group: str) -> list[str]:

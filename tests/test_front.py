@@ -113,6 +113,31 @@ def test_the_command_runs_on_cpu_servers(tmp_path, tiny_core_folder):
     assert {doc: (REPO / doc).read_bytes() for doc in before} == before
 
 
+def test_a_server_that_cannot_start_is_a_result_with_its_traceback(tmp_path, tiny_core_folder):
+    """A ComfyUI whose start fails after a long log (one that speaks of memory): each server row is recorded
+    as failed, not as out of memory, with the end of the log, where the traceback is; the anchor runs."""
+    comfyui = tmp_path / "ComfyUI"
+    comfyui.mkdir()
+    (comfyui / "main.py").write_text(
+        "import sys\nfor i in range(400):\n    print('Enabled pinned memory', i, flush=True)\n"
+        "raise ModuleNotFoundError(\"No module named 'pydantic'\")\n"
+    )
+    done = front(
+        *("--model-dir", str(tiny_core_folder), "--comfyui", str(comfyui), "--cpu-check", "--rounds", "1"),
+        *("--group", "8 GB card", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")),
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads((tmp_path / "out" / "front.json").read_text())["rows"]
+    anchor, *servers = ROWS["groups"]["8 GB card"]
+    assert "error" not in rows[anchor] and len(rows[anchor]["prompts"]) == 1
+    markdown = (tmp_path / "out" / "front.md").read_text()
+    for name in servers:
+        assert "No module named 'pydantic'" in rows[name]["error"], rows[name]["error"][-500:]
+        assert f"| {name} | failed;" in markdown
+    assert "out of memory" not in markdown
+
+
 def test_the_result_names_the_commit_whose_tree_ran():
     path = REPO / "benchmarks" / "results" / "front.json"
     if not path.is_file():
