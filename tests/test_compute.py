@@ -106,19 +106,26 @@ def test_a_layer_computes_by_its_path_and_few_rows_take_the_fp16_one(path):
     assert quanto.dense_layers(layer) == []  # an 8-bit layer never holds its weight expanded
 
 
-def test_a_low_rank_branch_adds_its_lora_to_its_rows():
+@pytest.mark.parametrize("path", ["int8", "fp8"])
+def test_a_low_rank_branch_adds_its_lora_to_its_rows(path):
+    """The branch takes the input as the 8-bit product does, quantized per row: its rows get
+    ``0.5 × x̂ @ downᵀ @ upᵀ`` (``x̂`` the quantized input, in float64), the others are untouched; the same
+    whether the layer quantizes its input or is handed it quantized (the fused blocks)."""
     data, scale = _quantized_weight(96, 128)
     layer = quanto.ScaledWeightLinear(data, scale, None)
-    quanto.set_compute(layer, "int8")
-    x = torch.randn(compute.MIN_ROWS * 2, 128, dtype=torch.float64).float()
+    quanto.set_compute(layer, path)
+    x = torch.randn(compute.MIN_ROWS * 2, 128)
     up, down = torch.randn(32, 4), torch.randn(4, 128)
     base = layer(x)
     layer.low_rank = (compute.LowRank(up, down, 0.5, rows=(32, 32)),)
     got = layer(x)
-    delta = 0.5 * x @ down.t() @ up.t()
-    torch.testing.assert_close(got[:, 32:64], base[:, 32:64] + delta, rtol=1e-5, atol=1e-5)
+    rows = compute.quantize_rows(x, path)
+    seen = rows.values.double() * rows.scales.double()
+    delta = 0.5 * seen @ down.double().t() @ up.double().t()
+    torch.testing.assert_close(got[:, 32:64].double(), base[:, 32:64].double() + delta, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got[:, :32], base[:, :32], rtol=0, atol=0)
     torch.testing.assert_close(got[:, 64:], base[:, 64:], rtol=0, atol=0)
+    assert torch.equal(layer.product(rows, x.dtype), got)
 
 
 def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph(graphs):

@@ -31,7 +31,9 @@ with fewer than :data:`MIN_ROWS` rows (ComfyUI's unpadded one-token negative cap
 path: the int8 kernel refuses 16 rows or fewer, and a product that small has nothing to gain.
 
 A LoRA on an 8-bit layer is a low-rank branch beside the 8-bit product, ``scale × (x @ downᵀ) @ upᵀ`` in the
-compute dtype (:class:`LowRank`): the 8-bit weights are never requantized and no fp16 copy is made.
+compute dtype (:class:`LowRank`): the 8-bit weights are never requantized and no fp16 copy is made. The
+branch takes the layer's input as the product does, quantized (:meth:`Rows.dequantized`), so a layer with a
+LoRA stays on the fused path: its input is made 8-bit by the op before it, as without the LoRA.
 """
 
 from __future__ import annotations
@@ -176,6 +178,11 @@ class Rows:
     values: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, ...]
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The activation as its 8-bit values say, ``[*shape, K]`` in ``dtype`` (a LoRA branch's input)."""
+        values = (self.values.float() * self.scales).to(dtype)
+        return values.reshape(*self.shape, values.shape[-1])
 
 
 def quantize_rows(x: torch.Tensor, compute: str) -> Rows:

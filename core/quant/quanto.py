@@ -158,24 +158,30 @@ class ScaledWeightLinear(torch.nn.Module):
         return self.compute != compute_paths.FP16 and rows > compute_paths.MIN_ROWS
 
     def takes_rows(self, rows: int) -> bool:
-        """Whether a call of ``rows`` rows is the 8-bit product alone (no LoRA branch, which needs the
-        unquantized input), so an input quantized ahead (:meth:`product`) serves it."""
-        return self.eight_bit(rows) and len(self.low_rank) == 0  # dynamo cannot trace `not` on a tuple
+        """Whether a call of ``rows`` rows takes its input quantized per row (:meth:`product`), so an input
+        quantized ahead serves it: every 8-bit call, LoRA branches included (they take the input as the
+        product does)."""
+        return self.eight_bit(rows)
 
     def product(self, rows: compute_paths.Rows, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's 8-bit product of an input quantized per row, in ``dtype`` (no LoRA branch)."""
+        """The layer's 8-bit product of an input quantized per row, in ``dtype``, with its LoRA branches on
+        that input (:meth:`.compute.Rows.dequantized`)."""
         device = rows.values.device
         weight, scale, bias = (_on(t, device) for t in (self.weight, self.weight_scale, self.bias))
-        return compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
+        out = compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
+        if len(self.low_rank):  # dynamo cannot trace the truth of a tuple
+            input = rows.dequantized(dtype)
+            for branch in self.low_rank:
+                out = branch.add_to(out, input)
+        return out
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.eight_bit(input.numel() // self.in_features):
-            out = self.product(compute_paths.quantize_rows(input, self.compute), input.dtype)
-        else:
-            weight = self.weight_dense
-            if weight is None or weight.device != input.device:
-                weight = self.expanded(input.device)
-            out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
+            return self.product(compute_paths.quantize_rows(input, self.compute), input.dtype)
+        weight = self.weight_dense
+        if weight is None or weight.device != input.device:
+            weight = self.expanded(input.device)
+        out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
         for branch in self.low_rank:
             out = branch.add_to(out, input)
         return out
