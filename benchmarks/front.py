@@ -60,6 +60,10 @@ ROWS: dict[str, dict] = {
     FASTEST: {"workflow": BASIC, "sets": ["2.compute=fp8"], "drop": ["PixArtQ_MemorySnapshot"]},
     "low-VRAM workflow, as shipped": {"workflow": LOW_VRAM},
     "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), as shipped": {"workflow": LORA},
+    "LoRA + KSampler workflow without its LoRA (int8 MODEL)": {
+        "workflow": LORA,
+        "drop": ["LoraLoaderModelOnly"],
+    },
     CORE: {"core": True},
 }
 GROUPS = {"card": list(ROWS)}

@@ -32,6 +32,7 @@ SAYS = {
     "as shipped": lambda row: "workflow" in row and not row.get("sets") and not row.get("drop"),
     "compute fp8": lambda row: "2.compute=fp8" in row.get("sets", []),
     "no Memory Snapshot": lambda row: "PixArtQ_MemorySnapshot" in row.get("drop", []),
+    "without its LoRA": lambda row: "LoraLoaderModelOnly" in row.get("drop", []),
     "basic workflow": lambda row: row.get("workflow") == "pixart_lowvram_basic_api.json",
     "low-VRAM workflow": lambda row: row.get("workflow") == "pixart_lowvram_low_vram_api.json",
     "LoRA + KSampler workflow": lambda row: row.get("workflow") == "pixart_lowvram_lora_ksampler_api.json",
@@ -61,7 +62,7 @@ def test_each_group_has_its_anchor_first_and_every_row_once():
     # The small cards: pack against core on each.
 
     assert [[ROWS["rows"][n].get("card_gb") for n in names] for names in groups.values()] == [
-        [None] * 6,
+        [None] * 7,
         [None, 8, 8],
         [None, 4, 4],
     ]
