@@ -242,10 +242,10 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 
 
 def sampler_settings(source, options: dict, seed: int, quant_cache: Path):
-    from pixart_lowvram.core import sampler
+    from pixart_lowvram.core.sampler_settings import SamplerSettings
 
     options = {key: value for key, value in options.items() if key != "fused"}
-    return sampler.SamplerSettings(
+    return SamplerSettings(
         source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
     )
 

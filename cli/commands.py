@@ -22,6 +22,7 @@ from ..core import (
     outputs,
     quant_cache,
     sampler,
+    sampler_settings,
     text_encoder,
     timeline,
     vae,
@@ -51,7 +52,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     """The options of demo and generate: the stages' inputs as they declare them, each named as the node
     input it matches (inputs.py), then the command line's own."""
-    inputs.add_options(p, text_encoder.INPUTS, sampler.INPUTS, vae.INPUTS)
+    inputs.add_options(p, text_encoder.INPUTS, sampler_settings.INPUTS, vae.INPUTS)
     p.add_argument("--precision", choices=list(PRECISIONS), default="auto", help="transformer and VAE dtype")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu … (default: cuda if present, else cpu)")
     p.add_argument(
@@ -243,13 +244,13 @@ def stage_settings(args: argparse.Namespace, source: ModelSource):
         lambda: text_encoder.EncoderSettings(
             source, device=device, quant_cache=cache_dir, **text_encoder.INPUTS.command_line_values(given)
         ),
-        lambda: sampler.SamplerSettings(
+        lambda: sampler_settings.SamplerSettings(
             source,
             device=device,
             precision=args.precision,
             quant_cache=cache_dir,
             loras=args.loras,
-            **sampler.INPUTS.command_line_values(given),
+            **sampler_settings.INPUTS.command_line_values(given),
         ),
         lambda: vae.DecoderSettings(
             source,

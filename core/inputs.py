@@ -3,11 +3,11 @@ option, as :mod:`.quant` declares the quantization schemes.
 
 An :class:`Input` is one choice of a stage. Its name is the node input's, the settings field's and, with
 dashes, the command-line option's. Each stage lists its inputs in an :class:`Inputs` table beside its
-settings class (``text_encoder.INPUTS``, ``sampler.INPUTS``, ``vae.INPUTS``), in the order its node shows
-them: saved UI workflows store widget values by position, so the order, the optional flags and the
-defaults are part of what saved workflows load with. A :func:`slot` keeps the place of an input the node
-declares itself (a linked value such as the embeddings or a latent, or a choice among the host's model
-folders).
+settings class (``text_encoder.INPUTS``, ``sampler_settings.INPUTS``, ``vae.INPUTS``), in the order its
+node shows them: saved UI workflows store widget values by position, so the order, the optional flags and
+the defaults are part of what saved workflows load with. A :func:`slot` keeps the place of an input the
+node declares itself (a linked value such as the embeddings or a latent, or a choice among the host's
+model folders).
 
 What is made from the tables: the nodes' inputs (``nodes/common.py``), the command line's options
 (:func:`add_options`), the settings' field defaults (:meth:`Inputs.field_default`) and checks

@@ -48,9 +48,9 @@ LOADER_INPUTS = inputs.Inputs(*INPUTS, inputs.slot("keep_loaded", optional=True)
 @dataclass(frozen=True)
 class TransformerSettings:
     """Every choice about the transformer itself, checked when it is made (before anything loads): what the
-    sampler's settings hold (:attr:`.sampler.SamplerSettings.transformer`) and the int8 Model Loader builds.
-    Derived values (``scheme``, ``dtype``, where the weights come from and their config) are worked out here
-    and nowhere else.
+    sampler's settings hold (:attr:`.sampler_settings.SamplerSettings.transformer`) and the int8 Model
+    Loader builds. Derived values (``scheme``, ``dtype``, where the weights come from and their config) are
+    worked out here and nowhere else.
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/. ``quantization`` names the scheme of :data:`~.quant.TRANSFORMER_SCHEMES`, ``compute`` how

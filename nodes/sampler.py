@@ -3,14 +3,14 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io, ui
 
-from ..core import contract, sampler, schedulers
+from ..core import contract, resolutions, sampler, sampler_settings, schedulers
 from . import comfy_models, common
 
 # validate_inputs gets a linked input as None (its value is not known yet) and leaves out an optional
 # input that is not linked.
 _NOT_LINKED = object()
 # validate_inputs' defaults for the optional inputs it names: their declared ones.
-_DECLARED = {name: sampler.INPUTS.field_default(name) for name in ("resolution", "denoise")}
+_DECLARED = {name: sampler_settings.INPUTS.field_default(name) for name in ("resolution", "denoise")}
 # Where ComfyUI keeps single-file diffusion models: Load Diffusion Model's folder, then full checkpoints.
 TRANSFORMER_FOLDERS = ("diffusion_models", "checkpoints")
 
@@ -65,7 +65,7 @@ class QuantoPixArtSampler(comfy_models.HoldsModels, io.ComfyNode):
             "or from a LATENT (image-to-image), then unloads it. The LATENT is in raw VAE space like every "
             "ComfyUI sampler's, so core VAE Decode with the SDXL VAE reads it too.",
             inputs=common.node_inputs(
-                sampler.INPUTS,
+                sampler_settings.INPUTS,
                 model=common.model_input(),
                 embeds=common.PixArtEmbeds.Input(
                     "embeds", tooltip="From Quantized T5 Encode (same model family)."
@@ -104,10 +104,10 @@ class QuantoPixArtSampler(comfy_models.HoldsModels, io.ComfyNode):
         # Refused when the prompt is queued, before T5 runs. ComfyUI does not enforce an INT's step, and
         # leaves its range and combo checks to this function for the inputs it names.
         has_latent = latent is not _NOT_LINKED
-        native = resolution == sampler.NATIVE_RESOLUTION  # the model's size, known once it is read
+        native = resolution == resolutions.NATIVE_RESOLUTION  # the model's size, known once it is read
         try:
             if not native:
-                width, height = sampler.preset_size(resolution, width, height)
+                width, height = resolutions.preset_size(resolution, width, height)
             sampler.check_denoise(denoise, has_latent)
             if not has_latent and not native:
                 contract.check_size("width", width)
@@ -121,11 +121,11 @@ class QuantoPixArtSampler(comfy_models.HoldsModels, io.ComfyNode):
         cls, model, embeds, latent=None, transformer_file=common.FROM_MODEL, loras=(), **given
     ) -> io.NodeOutput:
         report = common.begin_stage(cls.hidden.dynprompt)
-        chosen = sampler.INPUTS.settings_values(given)
+        chosen = sampler_settings.INPUTS.settings_values(given)
         if latent is not None:
             # A linked latent sets the size: the width, height and resolution widgets are not used then.
-            chosen.update(width=None, height=None, resolution=sampler.CUSTOM_RESOLUTION)
-        settings = sampler.SamplerSettings(
+            chosen.update(width=None, height=None, resolution=resolutions.CUSTOM_RESOLUTION)
+        settings = sampler_settings.SamplerSettings(
             common.resolve(model),
             device=common.device(),
             transformer_file=transformer_path(transformer_file),

@@ -19,7 +19,15 @@ import pytest
 import torch
 
 from pixart_lowvram.cli.random_model import build_random_pixart
-from pixart_lowvram.core import folders, quant_cache, sampler, text_encoder, vae
+from pixart_lowvram.core import (
+    folders,
+    quant_cache,
+    sampler,
+    sampler_settings,
+    text_encoder,
+    transformer_run,
+    vae,
+)
 from pixart_lowvram.core.models import ModelSource, resolve_model
 from pixart_lowvram.core.pool import cache, default_host_budget
 
@@ -98,7 +106,7 @@ def reference(tiny: ModelSource) -> SimpleNamespace:
     """The fp32, unquantized chain at the settings below; what quantized runs are measured against."""
     settings = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
     embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), PROMPT, NEGATIVE)
-    latents = sampler.sample(sampler.SamplerSettings(tiny, **settings, **FP32), embeds)
+    latents = sampler.sample(sampler_settings.SamplerSettings(tiny, **settings, **FP32), embeds)
     images = vae.decode(vae.DecoderSettings(tiny, device="cpu", precision=torch.float32), latents)
     return SimpleNamespace(
         prompt=PROMPT,
@@ -156,10 +164,10 @@ class LoadSpy:
 
 @pytest.fixture
 def load_spy(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
-    """Wrap ``text_encoder._load``, ``sampler._load`` and ``vae._load`` (stages ``text_encoder``,
+    """Wrap ``text_encoder._load``, ``transformer_run._load`` and ``vae._load`` (stages ``text_encoder``,
     ``transformer``, ``vae``); the wrappers keep only weak references."""
     spy = LoadSpy()
-    for stage, module in (("text_encoder", text_encoder), ("transformer", sampler), ("vae", vae)):
+    for stage, module in (("text_encoder", text_encoder), ("transformer", transformer_run), ("vae", vae)):
         original = module._load
 
         def wrapper(*args, _original=original, _stage=stage, **kwargs):
@@ -185,7 +193,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Graphs:
     """The graphs compiled blocks trace (:class:`Graphs` as the sampler's compile backend), dynamo's caches
     empty before and after."""
     traced = Graphs()
-    monkeypatch.setattr(sampler, "COMPILE_BACKEND", traced)
+    monkeypatch.setattr(transformer_run, "COMPILE_BACKEND", traced)
     torch._dynamo.reset()
     yield traced
     torch._dynamo.reset()

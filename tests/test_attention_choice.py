@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import FP32
 from torch.nn.attention import SDPBackend
 
-from pixart_lowvram.core import attention, sampler
+from pixart_lowvram.core import attention, sampler, sampler_settings
 
 DTYPE = torch.float16
 
@@ -337,7 +337,7 @@ def test_the_pack_sampler_runs_every_attention_through_the_choice(tiny, referenc
         return attend(kind, q, k, v, mask)
 
     monkeypatch.setattr(attention, "attend", recording)
-    settings = sampler.SamplerSettings(tiny, **reference.settings, **FP32)
+    settings = sampler_settings.SamplerSettings(tiny, **reference.settings, **FP32)
     latents = sampler.sample(settings, reference.embeds)
     kinds = {each[:2] for each in seen}
     assert kinds == {("self", False), ("cross", True)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pixart_lowvram.core import contract, sampler, text_encoder, vae
+from pixart_lowvram.core import contract, sampler, sampler_settings, text_encoder, vae
 
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
 DEFAULTS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 0, "batch_size": 1}
@@ -21,21 +21,21 @@ AT_BOUNDS = [
     ("height", contract.MIN_SIZE),
     ("height", contract.MAX_SIZE),
     ("steps", 1),
-    ("steps", sampler.MAX_STEPS),
+    ("steps", sampler_settings.MAX_STEPS),
     ("cfg", 0.0),
-    ("cfg", sampler.MAX_CFG),
+    ("cfg", sampler_settings.MAX_CFG),
     ("seed", 0),
-    ("seed", sampler.MAX_SEED),
+    ("seed", sampler_settings.MAX_SEED),
     ("batch_size", 1),
-    ("batch_size", sampler.MAX_BATCH),
+    ("batch_size", sampler_settings.MAX_BATCH),
 ]
 BEYOND = [
     ("width", contract.MIN_SIZE - contract.SIZE_MULTIPLE, "out of range"),
     ("width", contract.MAX_SIZE + contract.SIZE_MULTIPLE, "out of range"),
     ("height", contract.MAX_SIZE + contract.SIZE_MULTIPLE, "out of range"),
-    ("steps", sampler.MAX_STEPS + 1, "out of range"),
+    ("steps", sampler_settings.MAX_STEPS + 1, "out of range"),
     ("steps", 2.5, "whole number"),
-    ("cfg", sampler.MAX_CFG + 0.01, "out of range"),
+    ("cfg", sampler_settings.MAX_CFG + 0.01, "out of range"),
     ("cfg", float("inf"), "out of range"),
     ("seed", 1.0, "whole number"),
     ("batch_size", True, "whole number"),
@@ -45,7 +45,7 @@ BEYOND = [
 
 @pytest.mark.parametrize(("name", "value"), AT_BOUNDS)
 def test_numeric_settings_at_their_bounds_are_accepted(tiny, name, value):
-    sampler.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32)
+    sampler_settings.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32)
 
 
 @pytest.mark.parametrize(("name", "value", "problem"), BEYOND)
@@ -53,7 +53,9 @@ def test_numeric_settings_beyond_their_bounds_are_refused_before_loading(
     tiny, reference, load_spy, name, value, problem
 ):
     with pytest.raises((TypeError, ValueError)) as info:
-        sampler.sample(sampler.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32), reference.embeds)
+        sampler.sample(
+            sampler_settings.SamplerSettings(tiny, **{**DEFAULTS, name: value}, **FP32), reference.embeds
+        )
     message = str(info.value)
     assert message.startswith(name) and problem in message, message
     assert load_spy.total() == 0
@@ -68,7 +70,7 @@ def test_denoise_at_and_within_its_bounds(denoise):
 def test_denoise_beyond_its_bounds_is_refused_before_loading(tiny, reference, load_spy, denoise):
     with pytest.raises((TypeError, ValueError)) as info:
         sampler.sample(
-            sampler.SamplerSettings(tiny, **DEFAULTS, denoise=denoise, **FP32),
+            sampler_settings.SamplerSettings(tiny, **DEFAULTS, denoise=denoise, **FP32),
             reference.embeds,
             init_latents=reference.latents,
         )
@@ -78,7 +80,7 @@ def test_denoise_beyond_its_bounds_is_refused_before_loading(tiny, reference, lo
 
 def test_denoise_zero_returns_the_latent_without_loading(tiny, reference, load_spy):
     latents = sampler.sample(
-        sampler.SamplerSettings(tiny, **DEFAULTS, denoise=0.0, **FP32),
+        sampler_settings.SamplerSettings(tiny, **DEFAULTS, denoise=0.0, **FP32),
         reference.embeds,
         init_latents=reference.latents,
     )
@@ -114,7 +116,7 @@ def test_a_size_far_from_the_models_own_warns_and_runs(tiny, reference, caplog):
     assert tiny.native_size == 64
     warnings: list[str] = []
     latents = sampler.sample(
-        sampler.SamplerSettings(tiny, **{**DEFAULTS, "width": 256, "height": 256}, **FP32),
+        sampler_settings.SamplerSettings(tiny, **{**DEFAULTS, "width": 256, "height": 256}, **FP32),
         reference.embeds,
         on_warning=warnings.append,
     )
@@ -125,7 +127,9 @@ def test_a_size_far_from_the_models_own_warns_and_runs(tiny, reference, caplog):
 
     warnings.clear()
     sampler.sample(
-        sampler.SamplerSettings(tiny, **DEFAULTS, **FP32), reference.embeds, on_warning=warnings.append
+        sampler_settings.SamplerSettings(tiny, **DEFAULTS, **FP32),
+        reference.embeds,
+        on_warning=warnings.append,
     )
     assert warnings == []
 

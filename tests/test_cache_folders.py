@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pixart_lowvram.cli import main as cli
-from pixart_lowvram.core import folders, quant_cache, sampler, text_encoder
+from pixart_lowvram.core import folders, quant_cache, sampler, sampler_settings, text_encoder
 
 
 def unwritable(tmp_path: Path) -> Path:
@@ -157,7 +157,8 @@ def test_the_stages_go_on_when_their_cache_cannot_be_written(tiny, tmp_path, cap
         )
         settings = {"width": 64, "height": 64, "steps": 1, "device": "cpu"}
         sampler.sample(
-            sampler.SamplerSettings(tiny, quantization="qint8", quant_cache=folder, **settings), embeds
+            sampler_settings.SamplerSettings(tiny, quantization="qint8", quant_cache=folder, **settings),
+            embeds,
         )
     (warning,) = cache_warnings(caplog, folder)
     assert quant_cache.ENV in warning and "going on without it" in warning

@@ -16,7 +16,7 @@ import torch
 
 from pixart_lowvram.cli import commands
 from pixart_lowvram.cli import main as cli
-from pixart_lowvram.core import devices, quant_cache, sampler, text_encoder
+from pixart_lowvram.core import devices, quant_cache, resolutions, sampler_settings, text_encoder
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(400))  # > 300 tokens
 
@@ -111,12 +111,14 @@ def test_a_zero_size_is_refused_like_any_other_bad_size(tiny_folder, tmp_path, l
 def test_width_and_height_default_to_the_model_size_and_resolution_is_an_option(tiny):
     parser = commands.build_parser()
     args = parser.parse_args(["generate", "--model", "m"])
-    assert args.width is None and args.height is None and args.resolution == sampler.CUSTOM_RESOLUTION
-    settings = sampler.SamplerSettings(tiny, device="cpu", quantization="none")
+    assert args.width is None and args.height is None and args.resolution == resolutions.CUSTOM_RESOLUTION
+    settings = sampler_settings.SamplerSettings(tiny, device="cpu", quantization="none")
     assert (settings.width, settings.height) == (64, 64)  # the tiny model's native size
-    wide = sampler.SamplerSettings(tiny, width=128, device="cpu", quantization="none")
+    wide = sampler_settings.SamplerSettings(tiny, width=128, device="cpu", quantization="none")
     assert (wide.width, wide.height) == (128, 64)
-    native = sampler.SamplerSettings(tiny, width=128, resolution="native", device="cpu", quantization="none")
+    native = sampler_settings.SamplerSettings(
+        tiny, width=128, resolution="native", device="cpu", quantization="none"
+    )
     assert (native.width, native.height) == (64, 64)
 
 

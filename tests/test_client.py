@@ -113,7 +113,7 @@ def test_model_and_size_reach_every_node_that_has_them():
 
 def test_size_sets_a_preset_sampler_to_custom(workflow):
     """A sampler on a resolution preset would ignore width and height: --size makes it take them."""
-    from pixart_lowvram.core.sampler import CUSTOM_RESOLUTION
+    from pixart_lowvram.core.resolutions import CUSTOM_RESOLUTION
 
     assert client.CUSTOM_SIZE == CUSTOM_RESOLUTION
     workflow["2"]["inputs"]["resolution"] = "1024: 1216×832 (1.46:1)"

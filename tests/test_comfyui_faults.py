@@ -12,7 +12,7 @@ import pytest
 from comfyui_support import SIZE, basic_prompt, node_id
 from PIL import Image
 
-from pixart_lowvram.core import contract, sampler
+from pixart_lowvram.core import contract, sampler_settings
 
 pytestmark = pytest.mark.comfyui
 
@@ -24,13 +24,13 @@ pytestmark = pytest.mark.comfyui
         ("height", contract.MIN_SIZE - contract.SIZE_MULTIPLE),
         ("height", 100),
         ("steps", 0),
-        ("steps", sampler.MAX_STEPS + 1),
+        ("steps", sampler_settings.MAX_STEPS + 1),
         ("cfg", -0.5),
-        ("cfg", sampler.MAX_CFG + 1),
+        ("cfg", sampler_settings.MAX_CFG + 1),
         ("seed", -1),
-        ("seed", sampler.MAX_SEED + 1),
+        ("seed", sampler_settings.MAX_SEED + 1),
         ("batch_size", 0),
-        ("batch_size", sampler.MAX_BATCH + 1),
+        ("batch_size", sampler_settings.MAX_BATCH + 1),
         ("denoise", 1.5),
         ("denoise", -0.1),
     ],
@@ -44,7 +44,7 @@ def test_numeric_input_beyond_its_bounds_is_refused_when_queued(server, name, va
 
 
 def test_numeric_inputs_at_their_bounds_run(server):
-    prompt = basic_prompt(steps=1, cfg=0.0, seed=sampler.MAX_SEED, batch_size=1, denoise=1.0)
+    prompt = basic_prompt(steps=1, cfg=0.0, seed=sampler_settings.MAX_SEED, batch_size=1, denoise=1.0)
     run = server.run(prompt)
     assert run.status == "success", run.error
     assert "text" not in run.outputs.get(node_id(prompt, "PixArtQ_Sampler"), {})

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from pixart_lowvram.cli import commands
 from pixart_lowvram.cli.random_model import save_random_lora
-from pixart_lowvram.core import lora, sampler, transformer
+from pixart_lowvram.core import estimates, lora, sampler, sampler_settings, transformer, transformer_run
 from pixart_lowvram.core.quant import compute, quanto
 from pixart_lowvram.core.transformer import quantized_transformer
 
@@ -52,7 +52,7 @@ def _never_compiled(monkeypatch):
     def compile_blocks(blocks):
         raise AssertionError("an 8-bit path compiled its blocks on the CPU")
 
-    monkeypatch.setattr(sampler, "compile_blocks", compile_blocks)
+    monkeypatch.setattr(transformer_run, "compile_blocks", compile_blocks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -179,7 +179,7 @@ def test_a_low_rank_fold_adds_its_lora_to_the_weights_rows():
 )
 def test_a_bad_compute_is_refused_before_anything_loads(tiny, load_spy, options, message):
     with pytest.raises(ValueError, match=message):
-        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, **options)
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, **options)
     assert load_spy.count("transformer") == 0
 
 
@@ -243,13 +243,13 @@ def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, c
     monkeypatch.setitem(compute.TABLE, "fp8", dataclasses.replace(compute.TABLE["fp8"], fastest=(8, 6)))
     _card(monkeypatch, (8, 6), "NVIDIA GeForce RTX 3090")
     assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert settings.compute == settings.transformer.compute == "fp16"
     asked = []
     monkeypatch.setattr(compute, "resolve", lambda *args, fast: asked.append(fast) or "fp16")
-    sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
-    sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
-    sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
+    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
+    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
+    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32)
     assert asked == [True, False, False]  # low_vram + fast keeps fp16: auto's fp8 is measured without it
 
 
@@ -271,7 +271,11 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
     )
     sub = commands.build_parser()._subparsers._group_actions[0].choices["generate"]
     (option,) = [action for action in sub._actions if "--compute" in action.option_strings]
-    said = [sampler.INPUTS["compute"].tooltip, transformer.LOADER_INPUTS["compute"].tooltip, option.help]
+    said = [
+        sampler_settings.INPUTS["compute"].tooltip,
+        transformer.LOADER_INPUTS["compute"].tooltip,
+        option.help,
+    ]
     for name, cards in compute.TABLE.items():
         for doc in (readme, usage):
             assert f"`{name}` ({cards.names})" in doc, name
@@ -296,12 +300,12 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
 
 
 def test_the_path_is_in_the_cache_key(tiny):
-    fp16 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32)
-    int8 = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, compute="int8")
+    fp16 = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32)
+    int8 = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, compute="int8")
     assert (fp16.compute, int8.compute) == ("fp16", "int8")
     assert not int8.compiled and not fp16.compiled  # eager on the CPU
     assert dataclasses.replace(int8, fast=True).compiled
-    work = sampler.Workload(1, 64 * 64)
+    work = estimates.Workload(1, 64 * 64)
     assert fp16.cache_key(work) != int8.cache_key(work)
 
 
@@ -310,7 +314,7 @@ def fp16_latents(tiny_folder, tiny):
     from pixart_lowvram.core import text_encoder
 
     embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), "a red cat on a mat", "")
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     return embeds, sampler.sample(settings, embeds)
 
 
@@ -322,7 +326,7 @@ LATENT_COSINE = {"int8": 0.999, "fp8": 0.99}
 @pytest.mark.parametrize("path", ["int8", "fp8"])
 def test_the_sampler_on_an_8bit_path_is_close_to_fp16_and_repeats_its_bits(tiny, fp16_latents, path):
     embeds, reference = fp16_latents
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
     first = sampler.sample(settings, embeds)
     again = sampler.sample(settings, embeds)
     torch.testing.assert_close(first, again, rtol=0, atol=0)
@@ -336,7 +340,7 @@ def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it
 ):
     embeds, _ = fp16_latents
     path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=3)
-    base = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
+    base = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute=path)
     without = sampler.sample(base, embeds)
     off = sampler.sample(dataclasses.replace(base, loras=(lora.LoraSpec(path_file, 0.0),)), embeds)
     torch.testing.assert_close(off, without, rtol=0, atol=0)
@@ -351,8 +355,8 @@ def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it
 
 
 def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp_path):
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute="fp8")
-    model = sampler.prepare(
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", compute="fp8")
+    model = transformer_run.prepare(
         quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute="fp8"
     )
     layer = model.get_submodule("transformer_blocks.0.attn1.to_q")

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import sampler, sampler_settings, text_encoder, vae
 from pixart_lowvram.core.contract import PixArtEmbeds
 from pixart_lowvram.core.text_encoder import MAX_TOKENS
 
@@ -45,7 +45,7 @@ def test_latent_is_raw_vae_space(tiny, tiny_folder, reference):
 
 
 def test_latent_shape_follows_size_and_batch(tiny, reference):
-    settings = sampler.SamplerSettings(tiny, width=96, height=64, steps=1, batch_size=3, **FP32)
+    settings = sampler_settings.SamplerSettings(tiny, width=96, height=64, steps=1, batch_size=3, **FP32)
     latents = sampler.sample(settings, reference.embeds)
     assert latents.shape == (3, 4, 8, 12)
     assert latents.dtype == torch.float32 and latents.device.type == "cpu"
@@ -104,7 +104,7 @@ def test_seed_noise_does_not_depend_on_precision(tiny, reference):
     On torch 2.11, ``torch.randn(generator=cpu, dtype=bf16 or fp16)`` draws different numbers from
     fp32 (cosine ~0.06 here); drawing the noise in fp32 keeps the seed's meaning on every torch.
     """
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, **reference.settings, quantization="none", device="cpu", precision=torch.bfloat16
     )
     latents = sampler.sample(settings, reference.embeds)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pixart_lowvram.core import outputs, sampler, text_encoder, vae
+from pixart_lowvram.core import outputs, sampler, sampler_settings, text_encoder, vae
 from pixart_lowvram.core.contract import PixArtEmbeds
 from pixart_lowvram.core.devices import resolve_dtype
 from pixart_lowvram.core.models import find_model_folders, resolve_model
@@ -139,7 +139,7 @@ def test_following_the_offline_advice_resolves_locally(tmp_path, monkeypatch):
 def test_bad_sampler_settings(tiny, reference, load_spy, setting, exc_type, parts):
     settings = {"width": 64, "height": 64, "steps": 2, "device": "cpu", **setting}
     with pytest.raises(exc_type) as info:
-        sampler.sample(sampler.SamplerSettings(tiny, **settings), reference.embeds)
+        sampler.sample(sampler_settings.SamplerSettings(tiny, **settings), reference.embeds)
     message_has(info, *parts)
     assert load_spy.total() == 0
 
@@ -154,7 +154,7 @@ def test_embeds_of_another_width(tiny, reference, load_spy):
         quantization="none",
         dtype=torch.float32,
     )
-    settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
+    settings = sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
     with pytest.raises(ValueError) as info:
         sampler.sample(settings, embeds)
     message_has(info, "embeds", "32 wide", "expects 64", "same PixArt-Σ model")
@@ -162,7 +162,7 @@ def test_embeds_of_another_width(tiny, reference, load_spy):
 
 
 def test_embeds_of_another_type(tiny, reference, load_spy):
-    settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
+    settings = sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
     with pytest.raises(TypeError) as info:
         sampler.sample(settings, reference.embeds.prompt_embeds)
     message_has(info, "embeds", "PIXART_EMBEDS", "Tensor")
@@ -210,7 +210,8 @@ def test_optimum_quanto_missing(tiny, reference, load_spy, monkeypatch):
     message_has(info, "'qint8'", "pip install optimum-quanto", "quantization 'none'")
     with pytest.raises(ImportError, match="pip install optimum-quanto"):
         sampler.sample(
-            sampler.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu"), reference.embeds
+            sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu"),
+            reference.embeds,
         )
     assert load_spy.total() == 0
 

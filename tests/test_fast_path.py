@@ -13,7 +13,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import sampler
+from pixart_lowvram.core import sampler, sampler_settings, transformer_run
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, plain_layers
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
@@ -28,7 +28,7 @@ def no_compile(monkeypatch):
     def compile_blocks(blocks):
         compiled.append(len(blocks))
 
-    monkeypatch.setattr(sampler, "compile_blocks", compile_blocks)
+    monkeypatch.setattr(transformer_run, "compile_blocks", compile_blocks)
     return compiled
 
 
@@ -39,8 +39,10 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("quantization", ["qint8", "qfloat8"])
 def test_expanded_blocks_give_the_quantized_latents(tiny, reference, quantization, no_compile):
     options = {**FP32, "quantization": quantization}
-    quanto = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
-    fast = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
+    quanto = sampler.sample(sampler_settings.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    fast = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
+    )
     # Exact: every path runs the plain layers, and no_compile leaves the blocks as they are: the same kernels.
     torch.testing.assert_close(fast, quanto, rtol=0, atol=0)
     assert no_compile == [tiny.config("transformer")["num_layers"]]
@@ -48,10 +50,11 @@ def test_expanded_blocks_give_the_quantized_latents(tiny, reference, quantizatio
 
 def test_unquantized_fast_path_only_compiles(tiny, reference, no_compile):
     plain = sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none"), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none"), reference.embeds
     )
     fast = sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none", fast=True), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="none", fast=True),
+        reference.embeds,
     )
     torch.testing.assert_close(fast, plain, rtol=0, atol=0)  # exact: the same model, not compiled here
     assert no_compile == [tiny.config("transformer")["num_layers"]]
@@ -92,9 +95,12 @@ def test_a_weight_without_per_row_scales_is_refused():
 
 def test_fast_and_low_vram_together(tiny, reference, no_compile):
     options = {**FP32, "quantization": "qint8"}
-    fast = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
+    fast = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
+    )
     both = sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, fast=True, low_vram=True, **options), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, fast=True, low_vram=True, **options),
+        reference.embeds,
     )
     # Exact: the int8 transformer fits the low-VRAM budget, so low_vram streams nothing here (the same
     # resident model and kernels; test_low_vram.py streams with the budget at 0).
@@ -103,7 +109,8 @@ def test_fast_and_low_vram_together(tiny, reference, no_compile):
 
 def test_fast_model_is_freed_after_its_stage(tiny, reference, load_spy, no_compile):
     sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True),
+        reference.embeds,
     )
     gc.collect()
     assert load_spy.alive("transformer") == [False]
@@ -111,21 +118,25 @@ def test_fast_model_is_freed_after_its_stage(tiny, reference, load_spy, no_compi
 
 def test_fast_must_be_a_flag(tiny, reference):
     with pytest.raises(TypeError, match="fast must be true or false"):
-        sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **FP32, fast="yes"), reference.embeds)
+        sampler.sample(
+            sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast="yes"), reference.embeds
+        )
 
 
 def test_compiled_blocks_give_the_eager_latents_and_a_reload_compiles_nothing(tiny, reference, graphs):
     options = {**FP32, "quantization": "qint8"}
-    eager = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    eager = sampler.sample(sampler_settings.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
     compiled = sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
     )
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     traced = len(graphs)
     assert traced
     # The next prompt loads the transformer again (keep_loaded off): its blocks reuse the graphs, so
     # prompts never pile up compiles (torch.compile falls back to eager after 8 per function).
-    again = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds)
+    again = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, fast=True, **options), reference.embeds
+    )
     torch.testing.assert_close(again, compiled, rtol=0, atol=0)  # exact: the same graphs on the same data
     assert len(graphs) == traced
 
@@ -139,7 +150,7 @@ def test_all_blocks_share_their_graphs(tiny, graphs):
     from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES, choose
 
     config = dict(tiny.config("transformer"), num_layers=6)
-    model = sampler.prepare(
+    model = transformer_run.prepare(
         PixArtTransformer2DModel.from_config(config),
         choose("qint8", TRANSFORMER_SCHEMES, torch.device("cpu")),
         torch.device("cpu"),
@@ -162,12 +173,12 @@ def test_a_compiler_failure_names_the_fast_option(tiny, reference, monkeypatch):
     def broken(graph, example_inputs):
         raise RuntimeError("no C compiler")
 
-    monkeypatch.setattr(sampler, "COMPILE_BACKEND", broken)
+    monkeypatch.setattr(transformer_run, "COMPILE_BACKEND", broken)
     torch._dynamo.reset()
     message = r"fast: torch.compile failed on this machine \(RuntimeError: no C compiler\)\. Turn the sampler's fast"
     with pytest.raises(RuntimeError, match=message):
         sampler.sample(
-            sampler.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True),
+            sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8", fast=True),
             reference.embeds,
         )
     torch._dynamo.reset()

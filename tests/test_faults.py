@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import measure, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, sampler, sampler_settings, text_encoder, transformer_run, vae
 from pixart_lowvram.core.models import resolve_model
 from pixart_lowvram.core.pool import cache
 
@@ -26,7 +26,7 @@ FREE_OTHERS = "free the GPU memory other models hold"
 # The stage's name in the report, the module whose _load loads it, and words its advice must hold.
 STAGES = {
     "text_encoder": ("t5_encode", text_encoder, ("low_vram", "nf4", FREE_OTHERS)),
-    "transformer": ("sample", sampler, ("low_vram", "width, height or batch_size", FREE_OTHERS)),
+    "transformer": ("sample", transformer_run, ("low_vram", "width, height or batch_size", FREE_OTHERS)),
     "vae": ("vae_decode", vae, ("tiling", "width, height or batch_size", FREE_OTHERS)),
 }
 WEIGHTS = {
@@ -43,7 +43,9 @@ def run(stage: str, source, reference, report=None, **options):
         cache.forget_results()  # T5 runs, not the remembered embeddings (test_t5_embeddings.py)
         return text_encoder.encode(settings, reference.prompt, reference.negative, report=report)
     if stage == "transformer":
-        settings = sampler.SamplerSettings(source, **reference.settings, quantization="none", **options)
+        settings = sampler_settings.SamplerSettings(
+            source, **reference.settings, quantization="none", **options
+        )
         return sampler.sample(settings, reference.embeds, report=report)
     return vae.decode(vae.DecoderSettings(source, **options), reference.latents, report=report)
 

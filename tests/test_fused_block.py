@@ -21,7 +21,7 @@ import torch
 from diffusers.models.attention import BasicTransformerBlock
 from tolerances import relative_error
 
-from pixart_lowvram.core import sampler
+from pixart_lowvram.core import sampler, sampler_settings, transformer_run
 from pixart_lowvram.core.quant import block as fused_block
 from pixart_lowvram.core.quant import compute, quanto
 from pixart_lowvram.core.transformer import quantized_transformer
@@ -35,12 +35,12 @@ def blocks(request, tiny):
     """The tiny transformer's first block as the sampler prepares it for an 8-bit compute, and a float32
     copy computing with the same 8-bit weights expanded (activations unquantized)."""
     path = request.param
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute=path
     )
     os.environ[fused_block.VARIABLE] = "1"  # on the CPU the sampler's prepare switches the blocks when asked
     try:
-        model = sampler.prepare(
+        model = transformer_run.prepare(
             quantized_transformer(settings.transformer), settings.scheme, torch.device("cpu"), compute=path
         )
     finally:
@@ -151,13 +151,13 @@ def test_use_fused_switches_pixart_blocks_only_and_unuse_fused_switches_back():
 
 
 def test_the_sampler_fuses_where_the_kernels_run_or_as_told_and_a_bad_setting_is_one_line(tiny, monkeypatch):
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, width=128, height=128, device="cpu", precision=DTYPE, quantization="qint8", compute="int8"
     )
 
     def first_block(compute: str):
         quantized = quantized_transformer(settings.transformer)
-        model = sampler.prepare(
+        model = transformer_run.prepare(
             quantized, settings.scheme, torch.device("cpu"), compute=compute, quantized=True
         )
         return model.transformer_blocks[0]
@@ -189,7 +189,7 @@ def test_a_compiled_run_after_one_with_a_lora_gives_the_first_runs_latents(
     from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import lora
 
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, width=128, height=128, steps=2, seed=7, device="cpu", quantization="qint8", compute="int8",
         fast=True,
     )  # fmt: skip

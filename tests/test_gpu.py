@@ -14,7 +14,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import measure, sampler, text_encoder, transformer, vae
+from pixart_lowvram.core import measure, sampler, sampler_settings, text_encoder, transformer, vae
 from pixart_lowvram.core.pool import cache
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ def cuda() -> torch.device:
 def run_chain(source, device, report=None, **options):
     encoding = text_encoder.EncoderSettings(source, device=device, **options)
     embeds = text_encoder.encode(encoding, "a red cat", "dark", report=report)
-    sampling = sampler.SamplerSettings(source, **SETTINGS, device=device, **options)
+    sampling = sampler_settings.SamplerSettings(source, **SETTINGS, device=device, **options)
     latents = sampler.sample(sampling, embeds, report=report)
     return vae.decode(vae.DecoderSettings(source, device=device, **options), latents, report=report)
 
@@ -80,7 +80,9 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
             cache.forget_results()  # T5 runs, not the remembered embeddings
             return text_encoder.encode(settings, "a red cat")
         if stage == "transformer":
-            settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, keep_loaded=keep_loaded)
+            settings = sampler_settings.SamplerSettings(
+                tiny, **SETTINGS, device=cuda, keep_loaded=keep_loaded
+            )
             return sampler.sample(settings, reference.embeds)
         return vae.decode(vae.DecoderSettings(tiny, device=cuda, keep_loaded=keep_loaded), reference.latents)
 
@@ -118,7 +120,7 @@ def test_pooled_models_leave_the_gpu_and_come_back_bit_identical(
             cache.forget_results()  # T5 runs, not the remembered embeddings
             return text_encoder.encode(settings, "a red cat").prompt_embeds
         if stage == "transformer":
-            settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, **options)
+            settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda, **options)
             return sampler.sample(settings, reference.embeds)
         return vae.decode(vae.DecoderSettings(tiny, device=cuda), reference.latents)
 
@@ -152,7 +154,7 @@ def test_a_pooled_t5_has_its_tied_embedding_on_the_gpu_once(tiny, cuda, host_poo
 
 
 def test_failed_sample_returns_device_memory(tiny, reference, cuda):
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda)
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda)
 
     def run():
         return sampler.sample(settings, reference.embeds)
@@ -238,7 +240,7 @@ def test_low_vram_streams_one_block_at_a_time_and_matches(tiny, reference, cuda,
         if stage == "text_encoder":
             settings = text_encoder.EncoderSettings(tiny, device=cuda, low_vram=low_vram)
             return text_encoder.encode(settings, "a red cat", "dark").prompt_embeds
-        settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, low_vram=low_vram)
+        settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda, low_vram=low_vram)
         return sampler.sample(settings, reference.embeds)
 
     whole = run(False)
@@ -264,7 +266,7 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
     from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
     from pixart_lowvram.core.schedulers import make_scheduler
 
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization=quantization)
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization=quantization)
     scheme = TRANSFORMER_SCHEMES[quantization]
 
     def quantized_model():
@@ -323,8 +325,8 @@ def test_fast_path_compiles_matches_and_returns_memory(tiny, reference, cuda, lo
     nothing left allocated afterwards."""
     # compute fp16: with fast, auto is fp8 on Hopper (test_8bit_compute_* cover that path).
     options = {**SETTINGS, "device": cuda, "quantization": "qint8", "low_vram": low_vram, "compute": "fp16"}
-    quantized = sampler.SamplerSettings(tiny, **options)
-    compiled = sampler.SamplerSettings(tiny, **options, fast=True)
+    quantized = sampler_settings.SamplerSettings(tiny, **options)
+    compiled = sampler_settings.SamplerSettings(tiny, **options, fast=True)
     quanto = sampler.sample(quantized, reference.embeds)
     baseline = _settled(lambda: sampler.sample(compiled, reference.embeds))
     fast = sampler.sample(compiled, reference.embeds)
@@ -341,7 +343,7 @@ def test_forced_out_of_memory_names_the_stage_and_returns_memory(tiny, reference
     def run(big: bool):
         if stage == "sample":
             size = 2048 if big else SETTINGS["width"]
-            settings = sampler.SamplerSettings(
+            settings = sampler_settings.SamplerSettings(
                 tiny, **{**SETTINGS, "width": size, "height": size}, device=cuda
             )
             return sampler.sample(settings, reference.embeds)
@@ -416,7 +418,7 @@ def test_a_lora_on_cuda_dense_or_per_call_and_nothing_left_after(
     from pixart_lowvram.core import lora, measure
 
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization="qint8")
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda, quantization="qint8")
     with_lora = dataclasses.replace(settings, loras=(lora.LoraSpec(path),))
     plain = sampler.sample(settings, reference.embeds)
     # After a first run: what stays allocated from then on (cuBLAS's workspace) is the baseline.
@@ -461,23 +463,28 @@ def test_step_cache_on_cuda_bounded_and_nothing_left(tiny, reference, cuda, capl
     import logging
 
     options = {**SETTINGS, "steps": 10, "device": cuda, "quantization": "qint8", "compute": "fp16"}
-    uncached = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
+    uncached = sampler.sample(sampler_settings.SamplerSettings(tiny, **options), reference.embeds)
     before = torch.cuda.memory_allocated(cuda)
     tiny_threshold = sampler.sample(
-        sampler.SamplerSettings(tiny, **options, step_cache=1e-9), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **options, step_cache=1e-9), reference.embeds
     )
     assert torch.equal(tiny_threshold, uncached)
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.sampler"):
-        cached = sampler.sample(sampler.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds)
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.transformer_run"):
+        cached = sampler.sample(
+            sampler_settings.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds
+        )
     assert "ran every block on" in caplog.text and "on 10 of 10 steps" not in caplog.text
     assert torch.equal(
-        cached, sampler.sample(sampler.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds)
+        cached,
+        sampler.sample(sampler_settings.SamplerSettings(tiny, **options, step_cache=0.5), reference.embeds),
     )
     assert 0.9 < _cosine(cached, uncached) < 1.0
     assert torch.cuda.memory_allocated(cuda) == before
-    fast = sampler.SamplerSettings(tiny, **options, step_cache=0.5, fast=True)
+    fast = sampler_settings.SamplerSettings(tiny, **options, step_cache=0.5, fast=True)
     _settled(lambda: sampler.sample(fast, reference.embeds))
-    assert torch.equal(sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds), uncached)
+    assert torch.equal(
+        sampler.sample(sampler_settings.SamplerSettings(tiny, **options), reference.embeds), uncached
+    )
 
 
 @pytest.mark.parametrize("fused", ["0", "1"], ids=["unfused", "fused"])
@@ -503,9 +510,9 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
         pytest.skip(reason)
     # 128 px: 128 rows a call with guidance, above the rows at which a call takes the fp16 path.
     options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
-    fp16 = sampler.sample(sampler.SamplerSettings(tiny, **options), reference.embeds)
+    fp16 = sampler.sample(sampler_settings.SamplerSettings(tiny, **options), reference.embeds)
     before = torch.cuda.memory_allocated(cuda)
-    settings = sampler.SamplerSettings(tiny, **options, compute=compute)
+    settings = sampler_settings.SamplerSettings(tiny, **options, compute=compute)
     first = sampler.sample(settings, reference.embeds)
     assert torch.equal(first, sampler.sample(settings, reference.embeds))
     assert 0.99 < _cosine(first, fp16) < 1
@@ -526,11 +533,11 @@ def test_auto_compute_with_fast_runs_the_cards_measured_path(tiny, reference, cu
 
     options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
     expected = compute_paths.resolve("auto", cuda, "qint8", fast=True)
-    auto = sampler.SamplerSettings(tiny, **options, fast=True)
+    auto = sampler_settings.SamplerSettings(tiny, **options, fast=True)
     assert auto.compute == auto.transformer.compute == expected
-    assert sampler.SamplerSettings(tiny, **options).compute == "fp16"
-    assert sampler.SamplerSettings(tiny, **options, fast=True, low_vram=True).compute == "fp16"
-    fp16 = sampler.sample(sampler.SamplerSettings(tiny, **options, compute="fp16"), reference.embeds)
+    assert sampler_settings.SamplerSettings(tiny, **options).compute == "fp16"
+    assert sampler_settings.SamplerSettings(tiny, **options, fast=True, low_vram=True).compute == "fp16"
+    fp16 = sampler.sample(sampler_settings.SamplerSettings(tiny, **options, compute="fp16"), reference.embeds)
     before = torch.cuda.memory_allocated(cuda)
     latents = sampler.sample(auto, reference.embeds)
     assert 0.99 < _cosine(latents, fp16) <= 1

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from pixart_lowvram.cli import main as cli
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import sampler, sampler_settings, text_encoder, vae
 from pixart_lowvram.core.models import resolve_model
 from pixart_lowvram.core.pool import (
     HOST_BUDGET_ENV,
@@ -39,7 +39,7 @@ def run(stage: str, tiny, reference, **overrides):
         settings = text_encoder.EncoderSettings(tiny, **options)
         cache.forget_results()  # the model runs again, not the remembered embeddings (test_t5_embeddings.py)
         return text_encoder.encode(settings, reference.prompt, reference.negative).prompt_embeds
-    settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, seed=5, **options)
+    settings = sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, seed=5, **options)
     return sampler.sample(settings, reference.embeds)
 
 
@@ -86,7 +86,7 @@ def test_a_failed_stage_leaves_nothing_in_host_memory(tiny, reference, load_spy,
     def stop(step: int, total: int, latents: torch.Tensor) -> None:
         raise KeyboardInterrupt
 
-    settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
+    settings = sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, device="cpu")
     with pytest.raises(KeyboardInterrupt):
         sampler.sample(settings, reference.embeds, on_progress=stop)
     assert cache.pooled() == [] and load_spy.alive("transformer") == [False]

@@ -16,24 +16,24 @@ import pytest
 from test_workflows import INPUT_ORDER, SOCKETS, WIDGETS
 
 from pixart_lowvram.cli import commands
-from pixart_lowvram.core import inputs, sampler, text_encoder, transformer, vae
+from pixart_lowvram.core import inputs, sampler_settings, text_encoder, transformer, vae
 
 # Each node of a stage and the table its inputs are made from.
 STAGES = {
     "PixArtQ_T5Encode": text_encoder.INPUTS,
-    "PixArtQ_Sampler": sampler.INPUTS,
+    "PixArtQ_Sampler": sampler_settings.INPUTS,
     "PixArtQ_VAEDecode": vae.INPUTS,
     "PixArtQ_ModelLoader": transformer.LOADER_INPUTS,
 }
 SETTINGS = {
     text_encoder.EncoderSettings: text_encoder.INPUTS,
-    sampler.SamplerSettings: sampler.INPUTS,
+    sampler_settings.SamplerSettings: sampler_settings.INPUTS,
     vae.DecoderSettings: vae.INPUTS,
 }
-TABLES = (text_encoder.INPUTS, sampler.INPUTS, vae.INPUTS)
+TABLES = (text_encoder.INPUTS, sampler_settings.INPUTS, vae.INPUTS)
 CPU = {
     text_encoder.EncoderSettings: {"device": "cpu", "quantization": "none"},
-    sampler.SamplerSettings: {"device": "cpu", "quantization": "none"},
+    sampler_settings.SamplerSettings: {"device": "cpu", "quantization": "none"},
     vae.DecoderSettings: {"device": "cpu"},
 }
 
@@ -108,7 +108,7 @@ def test_an_option_several_stages_declare_is_one_and_sets_each():
     parser = commands.build_parser()
     args = vars(parser.parse_args(["generate", "--model", "m", "--low-vram"]))
     assert text_encoder.INPUTS.command_line_values(args)["low_vram"] is True
-    assert sampler.INPUTS.command_line_values(args)["low_vram"] is True
+    assert sampler_settings.INPUTS.command_line_values(args)["low_vram"] is True
     assert "low_vram" not in vae.INPUTS.names  # the decode's low-VRAM mode is tiling (stage_settings)
 
 
@@ -117,13 +117,13 @@ def test_a_node_passes_its_inputs_through_checked():
     optional one may be left out, and nothing undeclared passes."""
     given = {"steps": 3, "cfg": 1.0, "seed": 1, "batch_size": 1, "quantization": "none", "keep_loaded": False}
     given |= {"width": 64, "height": 64}
-    assert sampler.INPUTS.settings_values(given) == given
+    assert sampler_settings.INPUTS.settings_values(given) == given
     with pytest.raises(TypeError, match="missing input"):
-        sampler.INPUTS.settings_values({k: v for k, v in given.items() if k != "steps"})
+        sampler_settings.INPUTS.settings_values({k: v for k, v in given.items() if k != "steps"})
     with pytest.raises(TypeError, match="unexpected input"):
-        sampler.INPUTS.settings_values({**given, "weights": "qint8"})
+        sampler_settings.INPUTS.settings_values({**given, "weights": "qint8"})
     with pytest.raises(TypeError, match="unexpected input"):  # a slot is the node's own argument
-        sampler.INPUTS.settings_values({**given, "latent": None})
+        sampler_settings.INPUTS.settings_values({**given, "latent": None})
     assert transformer.LOADER_INPUTS.settings_values({"quantization": "qint8"}) == {"quantization": "qint8"}
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pixart_lowvram.cli.random_model import LORA_FORMATS, LORA_LAYERS, save_random_lora
-from pixart_lowvram.core import lora, sampler, text_encoder
+from pixart_lowvram.core import lora, sampler, sampler_settings, text_encoder
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_weights
 from pixart_lowvram.core.transformer import quantized_transformer
 
@@ -28,7 +28,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def quantized(tiny):
-    return quantized_transformer(sampler.SamplerSettings(tiny, quantization="qint8", **FP32).transformer)
+    return quantized_transformer(
+        sampler_settings.SamplerSettings(tiny, quantization="qint8", **FP32).transformer
+    )
 
 
 def lora_file(tiny_folder, tmp_path, form="peft", seed=0, **kwargs):
@@ -188,7 +190,7 @@ def test_sampler_with_a_lora_against_diffusers_with_it_merged(tiny, tiny_folder,
     path = lora_file(tiny_folder, tmp_path, "kohya", scale=0.15)
     prompt, seed, steps = "a red apple on a table", 5, 3
     embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, quantization="none", **FP32), prompt)
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, width=SIZE, height=SIZE, steps=steps, seed=seed, quantization=quantization, **FP32
     )
     with_lora = sampler.sample(dataclasses.replace(settings, loras=(lora.LoraSpec(path, 0.8),)), embeds)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import estimates, sampler, streaming, text_encoder
+from pixart_lowvram.core import estimates, sampler, sampler_settings, streaming, text_encoder
 from pixart_lowvram.core.estimates import Workload
 
 SETTINGS = {"width": 64, "height": 64, "steps": 2, "cfg": 4.5, "seed": 3}
@@ -62,9 +62,9 @@ def test_streamed_t5_gives_the_same_embeddings(tiny, reference, quantization, bl
 def test_streamed_transformer_gives_the_same_latents(tiny, reference, quantization, block_log, monkeypatch):
     monkeypatch.setattr(estimates, "LOW_VRAM_BUDGET", 0)  # every run streams, even the int8 one that fits
     options = {"device": "cpu", "precision": torch.float32, "quantization": quantization}
-    plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    plain = sampler.sample(sampler_settings.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
     streamed = sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options), reference.embeds
     )
     assert_close(streamed, plain, network=True)  # streamed against resident, as for T5 above
     blocks = tiny.config("transformer")["num_layers"]
@@ -75,20 +75,20 @@ def test_a_transformer_that_fits_the_budget_is_not_streamed(tiny, reference, blo
     """low_vram holds the stage to the budget: the int8 transformer and its run fit whole (0.87 GiB at
     1024²), so it is not streamed; fp16, 2048² or a batch of two do not fit, and stream."""
     options = {"device": "cpu", "precision": torch.float32, "quantization": "qint8"}
-    plain = sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
-    low = sampler.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options)
+    plain = sampler.sample(sampler_settings.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    low = sampler_settings.SamplerSettings(tiny, **SETTINGS, low_vram=True, **options)
     # Exact: not streamed, low_vram leaves the run as it is (the same model placement and kernels).
     torch.testing.assert_close(sampler.sample(low, reference.embeds), plain, rtol=0, atol=0)
     assert block_log == []  # no streamer was made
     megapixel = 1024 * 1024
     half = {"device": "cpu", "precision": torch.float16}
-    assert not sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, megapixel))
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, 4 * megapixel))
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(2, megapixel))
-    assert sampler.SamplerSettings(tiny, **half, low_vram=True, quantization="none").streamed(
+    assert not sampler_settings.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, megapixel))
+    assert sampler_settings.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(1, 4 * megapixel))
+    assert sampler_settings.SamplerSettings(tiny, **half, low_vram=True).streamed(Workload(2, megapixel))
+    assert sampler_settings.SamplerSettings(tiny, **half, low_vram=True, quantization="none").streamed(
         Workload(1, megapixel)
     )
-    assert not sampler.SamplerSettings(tiny, **half).streamed(
+    assert not sampler_settings.SamplerSettings(tiny, **half).streamed(
         Workload(1, 4 * megapixel)
     )  # only with low_vram
     resident, streamed = (low.cache_key(Workload(1, pixels)) for pixels in (megapixel, 4 * megapixel))
@@ -119,7 +119,7 @@ def test_streamed_models_are_freed_after_their_stage(tiny, reference, load_spy):
     options = {"device": "cpu", "precision": torch.float32, "low_vram": True}
     text_encoder.encode(text_encoder.EncoderSettings(tiny, **options, quantization="nf4"), reference.prompt)
     sampler.sample(
-        sampler.SamplerSettings(tiny, **SETTINGS, **options, quantization="qint8"), reference.embeds
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **options, quantization="qint8"), reference.embeds
     )
     gc.collect()
     assert load_spy.alive("text_encoder") == [False]
@@ -132,7 +132,7 @@ def test_low_vram_must_be_a_bool(tiny, reference, value):
         text_encoder.encode(text_encoder.EncoderSettings(tiny, device="cpu", low_vram=value), "a")
     with pytest.raises(TypeError, match="low_vram must be true or false"):
         sampler.sample(
-            sampler.SamplerSettings(tiny, **SETTINGS, device="cpu", low_vram=value), reference.embeds
+            sampler_settings.SamplerSettings(tiny, **SETTINGS, device="cpu", low_vram=value), reference.embeds
         )
 
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pixart_lowvram.core import measure, sampler, text_encoder, vae
+from pixart_lowvram.core import measure, text_encoder, transformer_run, vae
 from pixart_lowvram.core.contract import PixArtEmbeds
 from pixart_lowvram.core.pool import cache
 
@@ -471,7 +471,7 @@ def test_vae_node_takes_the_old_model_folder_choice(comfy, chain, monkeypatch):
     assert torch.equal(out.result[0], chain.images)
 
 
-@pytest.mark.parametrize(("node_id", "module"), [("1", text_encoder), ("2", sampler), ("3", vae)])
+@pytest.mark.parametrize(("node_id", "module"), [("1", text_encoder), ("2", transformer_run), ("3", vae)])
 def test_out_of_memory_in_a_node_says_how_to_free_vram_in_comfyui(comfy, chain, monkeypatch, node_id, module):
     """Core's advice says to free the memory other models hold; the node adds how, in ComfyUI."""
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import sampler, sampler_settings, text_encoder, vae
 
 SIZE = 64
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
@@ -40,7 +40,7 @@ def pipeline(tiny_folder):
 def test_unquantized_chain_equals_diffusers_pipeline(tiny, pipeline, cfg, batch_size):
     prompt, negative, seed, steps = "a small dog on the street at night", "blurry", 1234, 3
     embeds = text_encoder.encode(text_encoder.EncoderSettings(tiny, **FP32), prompt, negative)
-    sampling = sampler.SamplerSettings(
+    sampling = sampler_settings.SamplerSettings(
         tiny,
         width=SIZE,
         height=SIZE,
@@ -120,7 +120,7 @@ TRANSFORMER_BOUNDS = {"qint8": (0.9999, 0.002), "qfloat8": (0.999, 0.01)}
 @pytest.mark.parametrize("scheme", list(TRANSFORMER_BOUNDS))
 def test_quantized_transformer_close_to_fp32(tiny, reference, scheme):
     min_cosine, max_mean_diff = TRANSFORMER_BOUNDS[scheme]
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, **reference.settings, quantization=scheme, device="cpu", precision=torch.float32
     )
     latents = sampler.sample(settings, reference.embeds)
@@ -143,7 +143,9 @@ def test_default_quantized_chain_close_to_fp32(tiny, reference):
     embeds = text_encoder.encode(
         text_encoder.EncoderSettings(tiny, device="cpu"), reference.prompt, reference.negative
     )
-    latents = sampler.sample(sampler.SamplerSettings(tiny, **reference.settings, device="cpu"), embeds)
+    latents = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, **reference.settings, device="cpu"), embeds
+    )
     images = vae.decode(vae.DecoderSettings(tiny, device="cpu"), latents)
     assert embeds.quantization == "bitsandbytes nf4"
     assert images.shape == reference.images.shape and images.dtype == torch.float32

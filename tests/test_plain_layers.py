@@ -9,7 +9,7 @@ import pytest
 import torch
 from tolerances import assert_close
 
-from pixart_lowvram.core import estimates, measure, sampler
+from pixart_lowvram.core import estimates, measure, sampler, sampler_settings, transformer_run
 from pixart_lowvram.core.estimates import Workload
 from pixart_lowvram.core.quant import TRANSFORMER_SCHEMES
 from pixart_lowvram.core.quant.quanto import ScaledWeightLinear, dense_bytes, dense_weights, plain_layers
@@ -65,7 +65,7 @@ def test_dense_weights_are_dropped_when_the_run_fails():
 
 def test_the_sampler_runs_plain_layers(tiny, reference, load_spy, host_pool):
     options = {"device": "cpu", "precision": torch.float32}
-    sampler.sample(sampler.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
+    sampler.sample(sampler_settings.SamplerSettings(tiny, **SETTINGS, **options), reference.embeds)
     model = load_spy.last("transformer")()  # alive: waiting in the host-memory pool
     kinds = {type(m).__name__ for m in model.modules()}
     assert "ScaledWeightLinear" in kinds and "QLinear" not in kinds
@@ -75,7 +75,7 @@ def test_which_runs_hold_dense_weights(tiny):
     """Dense runs need a GPU (settings for one cannot be made without CUDA: the GPU tier runs them); on the
     CPU a run expands per layer and asks for no more room, and the dense estimate adds the fp16 copy, still
     under T5's peak."""
-    on_cpu = sampler.SamplerSettings(tiny, device="cpu")
+    on_cpu = sampler_settings.SamplerSettings(tiny, device="cpu")
     assert not on_cpu.dense
     qint8 = TRANSFORMER_SCHEMES["qint8"]
     weights, work = on_cpu.device_bytes(Workload(1, MEGAPIXEL))
@@ -93,7 +93,7 @@ def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference
         request.getfixturevalue("host_pool")
     collected = []
     monkeypatch.setattr(measure.gc, "collect", lambda *args: collected.append(1) or 0)
-    settings = sampler.SamplerSettings(tiny, **SETTINGS, device="cpu", precision=torch.float32)
+    settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device="cpu", precision=torch.float32)
     sampler.sample(settings, reference.embeds)
     assert collected, "a fresh load collects what loading left behind"
     collected.clear()
@@ -105,15 +105,15 @@ def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference
 def test_a_run_holds_dense_weights_when_they_and_the_run_fit(tiny, monkeypatch, room, dense):
     """The room asked for is the expanded weights plus the run's own work, once (the stage's estimate, which
     ComfyUI is asked for, counts the copy in already); short of it, the layers expand per call."""
-    monkeypatch.setattr(sampler.SamplerSettings, "dense", property(lambda self: True))
-    settings = sampler.SamplerSettings(tiny, device="cpu")
+    monkeypatch.setattr(sampler_settings.SamplerSettings, "dense", property(lambda self: True))
+    settings = sampler_settings.SamplerSettings(tiny, device="cpu")
     model = _quantized("qint8", torch.float32)
     plain_layers(model)
     run = estimates.transformer(settings.scheme, settings.dtype, 1, MEGAPIXEL)[1]
     exact = dense_bytes(model) + run
     free = {"run": exact, "short": exact - 1}.get(room, room)
     monkeypatch.setattr(measure, "device_room", lambda device: free)
-    with sampler._dense(settings, model, Workload(1, MEGAPIXEL)):
+    with transformer_run._dense(settings, model, Workload(1, MEGAPIXEL)):
         held = [m.weight_dense is not None for m in model if isinstance(m, ScaledWeightLinear)]
     assert held == [dense, dense]
     assert all(m.weight_dense is None for m in model if isinstance(m, ScaledWeightLinear))

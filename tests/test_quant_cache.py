@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pixart_lowvram.cli import random_model
-from pixart_lowvram.core import quant_cache, sampler, text_encoder
+from pixart_lowvram.core import quant_cache, sampler, sampler_settings, text_encoder
 from pixart_lowvram.core.models import resolve_model
 from pixart_lowvram.core.pool import cache
 from pixart_lowvram.core.quant import QUANTO
@@ -121,7 +121,7 @@ def sample(source, cache_dir, scheme="qint8", precision="bf16", **settings):
     """Latents from the tiny transformer quantized with ``scheme``; bf16 on the CPU is where quanto's int8
     kernel (``_weight_int8pack_mm``) runs, the one that crashed on weights read in place from a file."""
     embeds = text_encoder.encode(text_encoder.EncoderSettings(source, quantization="none"), "a red cat")
-    chosen = sampler.SamplerSettings(
+    chosen = sampler_settings.SamplerSettings(
         source, **SAMPLING, quantization=scheme, precision=precision, quant_cache=cache_dir, **settings
     )
     return sampler.sample(chosen, embeds)
@@ -201,7 +201,7 @@ def test_unquantized_transformer_does_not_touch_the_cache(tiny, tmp_path):
 
 
 def test_the_cache_folder_may_be_given_as_text(tiny, tmp_path):
-    settings = sampler.SamplerSettings(tiny, quant_cache=str(tmp_path), device="cpu")
+    settings = sampler_settings.SamplerSettings(tiny, quant_cache=str(tmp_path), device="cpu")
     assert settings.quant_cache == tmp_path
     assert text_encoder.EncoderSettings(tiny, quant_cache=str(tmp_path)).quant_cache == tmp_path
 

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixart_lowvram.core import measure, models, outputs, sampler, text_encoder, timeline, vae
+from pixart_lowvram.core import (
+    measure,
+    models,
+    outputs,
+    sampler,
+    sampler_settings,
+    text_encoder,
+    timeline,
+    vae,
+)
 from pixart_lowvram.core.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +130,7 @@ def run(stage, source, reference):
         settings = text_encoder.EncoderSettings(source, **FP32)
         return text_encoder.encode(settings, reference.prompt, reference.negative)
     if stage == "transformer":
-        settings = sampler.SamplerSettings(source, **reference.settings, **FP32)
+        settings = sampler_settings.SamplerSettings(source, **reference.settings, **FP32)
         return sampler.sample(settings, reference.embeds)
     settings = vae.DecoderSettings(source, device="cpu", precision=torch.float32)
     return vae.decode(settings, reference.latents)
@@ -253,7 +262,7 @@ def test_a_local_model_never_touches_the_network_even_online(
     embeds = text_encoder.encode(
         text_encoder.EncoderSettings(source, **FP32), reference.prompt, reference.negative
     )
-    latents = sampler.sample(sampler.SamplerSettings(source, **reference.settings, **FP32), embeds)
+    latents = sampler.sample(sampler_settings.SamplerSettings(source, **reference.settings, **FP32), embeds)
     images = vae.decode(vae.DecoderSettings(source, device="cpu", precision=torch.float32), latents)
     assert torch.equal(images, reference.images)
     assert connections == []

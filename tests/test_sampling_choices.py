@@ -11,7 +11,7 @@ from diffusers import PixArtSigmaPipeline
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_512_BIN, ASPECT_RATIO_1024_BIN
 from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
 
-from pixart_lowvram.core import contract, sampler, schedulers
+from pixart_lowvram.core import contract, resolutions, sampler, sampler_settings, schedulers
 
 SIZE = 64
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
@@ -49,7 +49,7 @@ def pipeline_with(pipeline, name: str) -> PixArtSigmaPipeline:
 @pytest.fixture(scope="module")
 def init(tiny, reference):
     """A LATENT to start from (raw VAE space): a txt2img result at another seed."""
-    settings = sampler.SamplerSettings(tiny, width=SIZE, height=SIZE, steps=2, seed=99, **FP32)
+    settings = sampler_settings.SamplerSettings(tiny, width=SIZE, height=SIZE, steps=2, seed=99, **FP32)
     return sampler.sample(settings, reference.embeds)
 
 
@@ -72,7 +72,7 @@ def test_every_scheduler_is_seeded_and_equals_diffusers_pipeline_with_it(tiny, r
     seed, steps, batch_size = 3, 2, 1
 
     def run(seed: int) -> torch.Tensor:
-        settings = sampler.SamplerSettings(
+        settings = sampler_settings.SamplerSettings(
             tiny,
             width=SIZE,
             height=SIZE,
@@ -112,7 +112,9 @@ def test_every_scheduler_is_seeded_and_equals_diffusers_pipeline_with_it(tiny, r
 def test_unknown_scheduler(tiny, reference, load_spy):
     with pytest.raises(ValueError) as info:
         sampler.sample(
-            sampler.SamplerSettings(tiny, width=SIZE, height=SIZE, steps=2, scheduler="lms", device="cpu"),
+            sampler_settings.SamplerSettings(
+                tiny, width=SIZE, height=SIZE, steps=2, scheduler="lms", device="cpu"
+            ),
             reference.embeds,
         )
     message = str(info.value)
@@ -127,7 +129,7 @@ BINS = {512: ASPECT_RATIO_512_BIN, 1024: ASPECT_RATIO_1024_BIN, 2048: ASPECT_RAT
 
 
 def test_presets_are_pixarts_bins_as_width_by_height():
-    presets = sampler.resolution_presets()
+    presets = resolutions.resolution_presets()
     expected = {
         (base, int(width), int(height)) for base, bins in BINS.items() for height, width in bins.values()
     }
@@ -135,16 +137,16 @@ def test_presets_are_pixarts_bins_as_width_by_height():
     assert found == expected
     assert len(presets) == sum(map(len, BINS.values()))
     # The bins are keyed by height / width: the 0.78 bin of the 1024 model is landscape.
-    assert sampler.preset_size("1024: 1152×896 (1.29:1)", 64, 64) == (1152, 896)
-    assert sampler.preset_size("1024: 896×1152 (1:1.29)", 64, 64) == (896, 1152)
-    assert sampler.preset_size("512: 512×512 (1:1)", 64, 64) == (512, 512)
-    assert sampler.preset_size("2048: 4096×1024 (4.00:1)", 64, 64) == (4096, 1024)
+    assert resolutions.preset_size("1024: 1152×896 (1.29:1)", 64, 64) == (1152, 896)
+    assert resolutions.preset_size("1024: 896×1152 (1:1.29)", 64, 64) == (896, 1152)
+    assert resolutions.preset_size("512: 512×512 (1:1)", 64, 64) == (512, 512)
+    assert resolutions.preset_size("2048: 4096×1024 (4.00:1)", 64, 64) == (4096, 1024)
 
 
 @pytest.mark.parametrize("base", list(BINS))
 def test_every_preset_is_a_valid_size_of_its_aspect(base):
     presets = {
-        name: size for name, size in sampler.resolution_presets().items() if name.startswith(f"{base}:")
+        name: size for name, size in resolutions.resolution_presets().items() if name.startswith(f"{base}:")
     }
     ratios = {round(float(key), 2) for key in BINS[base]}
     for name, (width, height) in presets.items():
@@ -160,12 +162,12 @@ def test_every_preset_is_a_valid_size_of_its_aspect(base):
 
 
 def test_custom_resolution_keeps_width_and_height():
-    assert sampler.preset_size(sampler.CUSTOM_RESOLUTION, 96, 64) == (96, 64)
+    assert resolutions.preset_size(resolutions.CUSTOM_RESOLUTION, 96, 64) == (96, 64)
 
 
 def test_unknown_resolution():
     with pytest.raises(ValueError) as info:
-        sampler.preset_size("1000x1000", 64, 64)
+        resolutions.preset_size("1000x1000", 64, 64)
     message = str(info.value)
     assert "resolution '1000x1000' is not a preset" in message and "'custom'" in message
 
@@ -211,7 +213,7 @@ def test_img2img_equals_diffusers_recipe(tiny, reference, pipeline, init, name):
     """Short runs: from 15 steps on, DEIS picks its lower-order last step by the schedule's length, here
     the steps that run, in the recipe all of them."""
     steps, denoise, seed, cfg = 4, 0.5, 11, 4.5
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, steps=steps, cfg=cfg, seed=seed, scheduler=name, denoise=denoise, **FP32
     )
     ours = sampler.sample(settings, reference.embeds, init_latents=init)
@@ -225,21 +227,23 @@ def test_denoise_1_is_txt2img_of_the_latents_size(tiny, reference, init):
     its values do not matter; width and height are ignored."""
     settings = {"steps": 2, "seed": 4, "denoise": 1.0, **FP32}
     zeros = sampler.sample(
-        sampler.SamplerSettings(tiny, width=512, **settings),
+        sampler_settings.SamplerSettings(tiny, width=512, **settings),
         reference.embeds,
         init_latents=torch.zeros(1, 4, 8, 12),
     )
     image = torch.cat([init, init], dim=3)[..., :12]
     from_image = sampler.sample(
-        sampler.SamplerSettings(tiny, **settings), reference.embeds, init_latents=image
+        sampler_settings.SamplerSettings(tiny, **settings), reference.embeds, init_latents=image
     )
-    txt2img = sampler.sample(sampler.SamplerSettings(tiny, width=96, height=64, **settings), reference.embeds)
+    txt2img = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, width=96, height=64, **settings), reference.embeds
+    )
     assert txt2img.shape == (1, 4, 8, 12)
     assert torch.equal(zeros, txt2img) and torch.equal(from_image, txt2img)
 
 
 def test_denoise_0_returns_the_latent_without_loading(tiny, reference, init, load_spy):
-    settings = sampler.SamplerSettings(tiny, steps=4, denoise=0.0, device="cpu")
+    settings = sampler_settings.SamplerSettings(tiny, steps=4, denoise=0.0, device="cpu")
     ours = sampler.sample(settings, reference.embeds, init_latents=init)
     assert torch.equal(ours, init)
     assert load_spy.total() == 0
@@ -247,7 +251,7 @@ def test_denoise_0_returns_the_latent_without_loading(tiny, reference, init, loa
 
 def test_less_denoise_stays_closer_to_the_latent(tiny, reference, init):
     def distance(denoise: float) -> float:
-        settings = sampler.SamplerSettings(tiny, steps=4, seed=2, denoise=denoise, **FP32)
+        settings = sampler_settings.SamplerSettings(tiny, steps=4, seed=2, denoise=denoise, **FP32)
         out = sampler.sample(settings, reference.embeds, init_latents=init)
         return (out - init).abs().mean().item()
 
@@ -260,7 +264,9 @@ def test_less_denoise_stays_closer_to_the_latent(tiny, reference, init):
 def test_latent_batch(tiny, reference, init, latent_batch, batch_size, images):
     latent = init.repeat(latent_batch, 1, 1, 1)
     for denoise in (0.0, 0.5):
-        settings = sampler.SamplerSettings(tiny, steps=2, batch_size=batch_size, denoise=denoise, **FP32)
+        settings = sampler_settings.SamplerSettings(
+            tiny, steps=2, batch_size=batch_size, denoise=denoise, **FP32
+        )
         out = sampler.sample(settings, reference.embeds, init_latents=latent)
         assert out.shape == (images, 4, SIZE // 8, SIZE // 8)
         assert out.dtype == torch.float32 and out.device.type == "cpu"
@@ -269,7 +275,7 @@ def test_latent_batch(tiny, reference, init, latent_batch, batch_size, images):
 def test_img2img_reports_the_steps_it_runs(tiny, reference, init):
     steps = []
     sampler.sample(
-        sampler.SamplerSettings(tiny, steps=10, denoise=0.3, **FP32),
+        sampler_settings.SamplerSettings(tiny, steps=10, denoise=0.3, **FP32),
         reference.embeds,
         init_latents=init,
         on_progress=lambda step, total, _latents: steps.append((step, total)),
@@ -349,7 +355,9 @@ def test_bad_img2img_inputs(tiny, reference, load_spy, inputs, exc_type, parts):
     settings = {**settings, **inputs}
     init_latents = settings.pop("init_latents")  # given to sample(); the rest are SamplerSettings
     with pytest.raises(exc_type) as info:
-        sampler.sample(sampler.SamplerSettings(tiny, **settings), reference.embeds, init_latents=init_latents)
+        sampler.sample(
+            sampler_settings.SamplerSettings(tiny, **settings), reference.embeds, init_latents=init_latents
+        )
     message = str(info.value)
     missing = [part for part in parts if part not in message]
     assert not missing, f"{missing} not in: {message}"

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pixart_lowvram.cli.random_model import CAPTION_TOKENS, save_single_file_transformer
-from pixart_lowvram.core import sampler, text_encoder, vae
+from pixart_lowvram.core import sampler, sampler_settings, text_encoder, vae
 from pixart_lowvram.core.models import (
     CONFIG_FILES,
     HUB_1024,
@@ -33,7 +33,7 @@ SETTINGS = {"width": SIZE, "height": SIZE, "steps": 2, "cfg": 4.5, "seed": 7}
 
 def sample(source, embeds, **settings):
     """The sampling stage with ``settings`` (SamplerSettings' fields), built and checked before it runs."""
-    return sampler.sample(sampler.SamplerSettings(source, **settings), embeds)
+    return sampler.sample(sampler_settings.SamplerSettings(source, **settings), embeds)
 
 
 def folder_config(folder: Path) -> dict:
@@ -175,11 +175,11 @@ def test_native_size_follows_the_variant(original, tiny, tmp_path, name, native,
     shutil.copy(original, path)
     file = read_transformer_file(path, tiny.config("transformer"))
     assert (file.native_size, file.config["interpolation_scale"]) == (native, scale)
-    assert sampler.SamplerSettings(tiny, transformer_file=path).native_size == native
+    assert sampler_settings.SamplerSettings(tiny, transformer_file=path).native_size == native
 
 
 def test_native_size_of_a_folder(tiny):
-    assert tiny.native_size == sampler.SamplerSettings(tiny).native_size == SIZE
+    assert tiny.native_size == sampler_settings.SamplerSettings(tiny).native_size == SIZE
 
 
 def transformer_only(tiny_folder: Path, folder: Path, sample_size: int | None = None) -> Path:

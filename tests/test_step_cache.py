@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from pixart_lowvram.core import sampler
+from pixart_lowvram.core import sampler, sampler_settings, transformer_run
 from pixart_lowvram.core.pool import cache
 
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
@@ -20,7 +20,7 @@ STEPS = 10
 
 
 def run(tiny, reference, step_cache: float, on_progress=None, **options) -> torch.Tensor:
-    settings = sampler.SamplerSettings(
+    settings = sampler_settings.SamplerSettings(
         tiny, width=64, height=64, steps=STEPS, seed=3, step_cache=step_cache, **{**FP32, **options}
     )
     return sampler.sample(settings, reference.embeds, on_progress=on_progress)
@@ -43,14 +43,14 @@ def uncached(tiny, reference) -> torch.Tensor:
 
 
 def test_below_every_change_it_is_the_uncached_run(tiny, reference, uncached, caplog):
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.sampler"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.transformer_run"):
         cached = run(tiny, reference, 1e-9)
     assert full_steps(caplog) == STEPS
     assert torch.equal(cached, uncached)
 
 
 def test_above_it_steps_skip_blocks_and_the_latents_move(tiny, reference, uncached, caplog):
-    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.sampler"):
+    with caplog.at_level(logging.INFO, logger="pixart_lowvram.core.transformer_run"):
         cached = run(tiny, reference, 0.5)
     assert 1 <= full_steps(caplog) < STEPS  # the first step always runs whole
     assert torch.isfinite(cached).all() and not torch.equal(cached, uncached)
@@ -67,13 +67,13 @@ def test_a_kept_transformer_runs_uncached_after_it(tiny, reference, uncached):
 
 def test_a_failed_run_takes_its_hooks_off(tiny, reference, uncached, monkeypatch):
     seen = []
-    original = sampler._step_cache
+    original = transformer_run._step_cache
 
     def spy(transformer, threshold, steps):
         seen.append(transformer)
         return original(transformer, threshold, steps)
 
-    monkeypatch.setattr(sampler, "_step_cache", spy)
+    monkeypatch.setattr(transformer_run, "_step_cache", spy)
 
     class Cancelled(Exception):
         pass
@@ -91,4 +91,4 @@ def test_a_failed_run_takes_its_hooks_off(tiny, reference, uncached, monkeypatch
 
 def test_out_of_range_is_refused_with_the_range(tiny):
     with pytest.raises(ValueError, match=r"step_cache.*0.*1"):
-        sampler.SamplerSettings(tiny, step_cache=1.5, **FP32)
+        sampler_settings.SamplerSettings(tiny, step_cache=1.5, **FP32)

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from pixart_lowvram.core import measure, sampler, text_encoder, timeline, vae
+from pixart_lowvram.core import measure, sampler, sampler_settings, text_encoder, timeline, vae
 from pixart_lowvram.core.pool import cache, free_all
 
 STAGES = ("text_encoder", "transformer", "vae")
@@ -33,7 +33,7 @@ def run_stage(tiny, reference):
         if stage == "text_encoder":
             settings = text_encoder.EncoderSettings(tiny, **options)
             return text_encoder.encode(settings, reference.prompt, reference.negative, **hooks)
-        settings = sampler.SamplerSettings(tiny, width=64, height=64, steps=2, **options)
+        settings = sampler_settings.SamplerSettings(tiny, width=64, height=64, steps=2, **options)
         return sampler.sample(settings, reference.embeds, **hooks)
 
     return run

@@ -32,8 +32,7 @@ import weakref
 import comfy.utils
 import torch
 
-from ...core import attention
-from ...core import sampler as sampler_stage
+from ...core import attention, transformer_run
 from ...core.quant import block as fused_block
 from ...core.quant import compute as compute_paths
 from ...core.transformer import empty
@@ -49,7 +48,7 @@ class PackForward:
     """``diffusion_model.forward_orig`` of a pack MODEL: diffusers' forward over ``pixart``'s layers. ``fused``
     (an 8-bit ``compute``): its blocks quantize each layer's input with the op before it, as the sampler's
     do (:func:`~...core.quant.block.use_fused`); ``compiled``: the blocks run compiled (the sampler's
-    :func:`~...core.sampler.compile_blocks`, the caption's length dynamic: ComfyUI's conditioning is
+    :func:`~...core.transformer_run.compile_blocks`, the caption's length dynamic: ComfyUI's conditioning is
     as long as its prompt)."""
 
     def __init__(
@@ -106,7 +105,7 @@ class PackForward:
         if fused:
             fused_block.use_fused(blocks, compute)
         if compiled:
-            sampler_stage.compile_blocks(blocks, captions_vary=True)
+            transformer_run.compile_blocks(blocks, captions_vary=True)
         # The position embedding is made for each image's size, on its device, once a run (:meth:`place`);
         # the native size's buffer is not kept.
         patches = skeleton.pos_embed
@@ -192,7 +191,7 @@ class PackForward:
             self.made_for = (x.device, x.dtype)
         self.place(*x.shape[-2:], x.device)
         if self.compiled:  # the attention's choices before the blocks trace (ComfyUI's caption: no mask)
-            sampler_stage.settle_attention(
+            transformer_run.settle_attention(
                 self.skeleton.config,
                 x.device,
                 x.dtype,
@@ -210,7 +209,7 @@ class PackForward:
                 return_dict=False,
             )[0]
         except torch._dynamo.exc.BackendCompilerFailed as exc:
-            raise sampler_stage.compile_failed(exc) from exc
+            raise transformer_run.compile_failed(exc) from exc
 
 
 def _swap(skeleton: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
