@@ -239,10 +239,10 @@ class SamplerSettings:
             device=self.device,
             quant_cache=self.quant_cache,
             also_reads=["scheduler"],
-            fast=self.fast and not self.low_vram,  # auto's fp8 is measured without low_vram
+            low_vram=self.low_vram,  # auto's 8-bit compute is measured without it
         )
         native = transformer.native_size
-        derived = {"transformer": transformer, "device": transformer.device, "compute": transformer.compute}
+        derived = {"transformer": transformer, "device": transformer.device}
         if self.resolution == NATIVE_RESOLUTION:
             derived["width"] = derived["height"] = native
         elif self.resolution == CUSTOM_RESOLUTION:
@@ -307,7 +307,7 @@ class SamplerSettings:
             self.low_vram,
             self.streamed(work),
             self.compiled,
-            self.compute,
+            self.transformer.compute,
         )
 
     def device_bytes(self, work: Workload) -> tuple[int, int]:

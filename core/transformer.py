@@ -54,8 +54,8 @@ class TransformerSettings:
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/. ``quantization`` names the scheme of :data:`~.quant.TRANSFORMER_SCHEMES`, ``compute`` how
-    the blocks' quantized layers compute (:mod:`.quant.compute`; ``auto`` resolved with ``fast``, the
-    sampler's: :func:`.quant.compute.resolve`), ``precision`` the compute dtype (fp16 on a
+    the blocks' quantized layers compute (:mod:`.quant.compute`; ``auto`` resolved here, once, with the
+    sampler's ``low_vram``: :func:`.quant.compute.resolve`), ``precision`` the compute dtype (fp16 on a
     GPU, bf16 on the CPU when None). With ``quant_cache`` (a folder) the quantized transformer is saved there
     on first use and read back later (:mod:`quant_cache`). ``also_reads``: other parts of ``model`` the
     caller reads (the sampler's scheduler/), checked with the transformer's so that one error names every
@@ -69,13 +69,13 @@ class TransformerSettings:
     device: torch.device | str | None = None
     quant_cache: str | os.PathLike | None = None
     also_reads: InitVar[Sequence[str]] = ()
-    fast: InitVar[bool] = False
+    low_vram: InitVar[bool] = False
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
     config: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, also_reads: Sequence[str], fast: bool) -> None:
+    def __post_init__(self, also_reads: Sequence[str], low_vram: bool) -> None:
         INPUTS.check(self)
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
@@ -94,7 +94,7 @@ class TransformerSettings:
             if isinstance(weights, TransformerFile)
             else self.model.config("transformer"),
         }
-        derived["compute"] = compute_paths.resolve(self.compute, device, self.quantization, fast=fast)
+        derived["compute"] = compute_paths.resolve(self.compute, device, self.quantization, low_vram=low_vram)
         compute_paths.require(derived["compute"], device, self.quantization)
         for name, value in derived.items():
             object.__setattr__(self, name, value)

@@ -34,7 +34,7 @@ def _load(settings: SamplerSettings, streamed: bool):
         streamed,
         settings.compiled,
         quantized=True,
-        compute=settings.compute,
+        compute=settings.transformer.compute,
     )
 
 
@@ -59,10 +59,10 @@ def prepare(
     attention.install(model)
     scheme.plain_modules(model)
     quanto.set_compute(blocks, compute)
-    if compute != compute_paths.FP16:
-        from .quant import block  # imports Triton where it is installed
+    if compute != compute_paths.FP16:  # an 8-bit compute: only then import Triton, where it is installed
+        from .quant import block
 
-        if block.wanted(device):
+        if block.fused(compute, device):
             block.use_fused(blocks, compute)
     if low_vram:
         streaming.stream_blocks(model, blocks, device)

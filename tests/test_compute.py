@@ -217,40 +217,49 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
         compute.require("fp8", torch.device("mps"), "qint8")
 
 
-def test_auto_is_fp8_with_fast_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
-    """``auto`` (the default) takes the measured faster path with ``fast`` only: fp8 on an NVIDIA card of
-    compute capability 9.0 with quantized weights; fp16 without fast, on other cards, unquantized, on the
-    CPU, on ROCm, and wherever the table's compute cannot run. A value set is kept as it is."""
+def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
+    """``auto`` (the default) takes the measured faster path: fp8 on an NVIDIA card of compute capability
+    9.0 with quantized weights, ``fast`` or not; fp16 with the sampler's low_vram, on other cards,
+    unquantized, on the CPU, on ROCm, and wherever the table's compute cannot run. A value set is kept as
+    it is."""
     cuda = torch.device("cuda")
     _card(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
     with caplog.at_level("INFO", logger=compute.__name__):
-        assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp8"
+        assert compute.resolve("auto", cuda, "qint8") == "fp8"
     assert caplog.messages == [
-        "compute auto: fp8 on NVIDIA H100 80GB HBM3 with fast (set compute to fp16 for fp16's products)"
+        "compute auto: fp8 on NVIDIA H100 80GB HBM3 (set compute to fp16 for fp16's products)"
     ]
-    assert compute.resolve("auto", cuda, "qfloat8", fast=True) == "fp8"
-    assert compute.resolve("auto", cuda, "qint8", fast=False) == "fp16"
-    assert compute.resolve("auto", cuda, "none", fast=True) == "fp16"
-    assert compute.resolve("auto", torch.device("cpu"), "qint8", fast=True) == "fp16"
-    assert compute.resolve("auto", torch.device("mps"), "qint8", fast=True) == "fp16"
+    assert compute.resolve("auto", cuda, "qfloat8") == "fp8"
+    assert compute.resolve("auto", cuda, "qint8", low_vram=True) == "fp16"
+    assert compute.resolve("auto", cuda, "none") == "fp16"
+    assert compute.resolve("auto", torch.device("cpu"), "qint8") == "fp16"
+    assert compute.resolve("auto", torch.device("mps"), "qint8") == "fp16"
     for kept in ("fp16", "int8", "fp8"):
-        assert compute.resolve(kept, cuda, "qint8", fast=True) == kept
+        assert compute.resolve(kept, cuda, "qint8", low_vram=True) == kept
     _card(monkeypatch, (8, 9), "NVIDIA L4")  # unmeasured
-    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    assert compute.resolve("auto", cuda, "qint8") == "fp16"
     _card(monkeypatch, (9, 0), "AMD Instinct MI250X", hip="6.2.41133")
-    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    assert compute.resolve("auto", cuda, "qint8") == "fp16"
     # A row naming a card below its own capability: auto still takes only what the card runs.
     monkeypatch.setitem(compute.TABLE, "fp8", dataclasses.replace(compute.TABLE["fp8"], fastest=(8, 6)))
     _card(monkeypatch, (8, 6), "NVIDIA GeForce RTX 3090")
-    assert compute.resolve("auto", cuda, "qint8", fast=True) == "fp16"
+    assert compute.resolve("auto", cuda, "qint8") == "fp16"
+
+
+def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
+    """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
+    asking once, with the sampler's low_vram (``fast`` plays no part)."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
-    assert settings.compute == settings.transformer.compute == "fp16"
+    assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
-    monkeypatch.setattr(compute, "resolve", lambda *args, fast: asked.append(fast) or "fp16")
-    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
+    monkeypatch.setattr(compute, "resolve", lambda *args, low_vram: asked.append(low_vram) or "fp8")
+    chosen = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
-    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32)
-    assert asked == [True, False, False]  # low_vram + fast keeps fp16: auto's fp8 is measured without it
+    sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
+    assert asked == [False, True, False]
+    assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
+    assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
+    assert chosen.compiled is False  # fp8 on the CPU runs eager
 
 
 def test_auto_takes_a_compute_only_where_the_table_says_it_runs():
@@ -283,9 +292,11 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             assert f"{name} tensor-core products ({cards.names})" in text, name
         if cards.fastest:
             for doc in (readme, usage):
-                assert f"`{name}` with `fast` on {cards.fastest_names}" in doc, name
+                assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert f"fast (without low_vram) {name} on {cards.fastest_names}," in text, name
+                assert f"auto: {name} on {cards.fastest_names} (not with the sampler's low_vram)" in text, (
+                    name
+                )
             major, minor = cards.fastest
             assert f"| {cards.fastest_names} ({major}.{minor}) | `{name}`" in usage, name
     raw = (REPO / "docs/USAGE.md").read_text(encoding="utf-8")
@@ -302,7 +313,7 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
 def test_the_path_is_in_the_cache_key(tiny):
     fp16 = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32)
     int8 = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, compute="int8")
-    assert (fp16.compute, int8.compute) == ("fp16", "int8")
+    assert (fp16.transformer.compute, int8.transformer.compute) == ("fp16", "int8")
     assert not int8.compiled and not fp16.compiled  # eager on the CPU
     assert dataclasses.replace(int8, fast=True).compiled
     work = estimates.Workload(1, 64 * 64)

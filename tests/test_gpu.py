@@ -19,7 +19,8 @@ from pixart_lowvram.core.pool import cache
 
 pytestmark = pytest.mark.gpu
 
-SETTINGS = {"width": 64, "height": 64, "steps": 2, "seed": 7}
+# compute fp16 unless a test says otherwise: auto is fp8 on Hopper (test_auto_compute_runs_the_cards_measured_path).
+SETTINGS = {"width": 64, "height": 64, "steps": 2, "seed": 7, "compute": "fp16"}
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def test_each_stage_returns_device_memory(tiny, reference, cuda, stage):
         ("text_encoder", {"low_vram": True}),
         ("transformer", {}),
         ("transformer", {"low_vram": True}),
-        ("transformer", {"fast": True, "compute": "fp16"}),  # fp16 + fast (auto: fp8 on Hopper)
+        ("transformer", {"fast": True, "compute": "fp16"}),  # fp16 + fast (auto is fp8 on Hopper)
         ("vae", {}),
     ],
     ids=["t5", "t5-low-vram", "transformer", "transformer-low-vram", "transformer-fast", "vae"],
@@ -120,7 +121,7 @@ def test_pooled_models_leave_the_gpu_and_come_back_bit_identical(
             cache.forget_results()  # T5 runs, not the remembered embeddings
             return text_encoder.encode(settings, "a red cat").prompt_embeds
         if stage == "transformer":
-            settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, device=cuda, **options)
+            settings = sampler_settings.SamplerSettings(tiny, device=cuda, **SETTINGS | options)
             return sampler.sample(settings, reference.embeds)
         return vae.decode(vae.DecoderSettings(tiny, device=cuda), reference.latents)
 
@@ -323,7 +324,7 @@ def test_plain_and_dense_layers_agree_and_follow_quanto(tiny, reference, cuda, q
 def test_fast_path_compiles_matches_and_returns_memory(tiny, reference, cuda, low_vram):
     """The fast sampler path with inductor on the GPU (streamed too): the quantized path's latents, and
     nothing left allocated afterwards."""
-    # compute fp16: with fast, auto is fp8 on Hopper (test_8bit_compute_* cover that path).
+    # compute fp16: auto is fp8 on Hopper (test_8bit_compute_* cover that path).
     options = {**SETTINGS, "device": cuda, "quantization": "qint8", "low_vram": low_vram, "compute": "fp16"}
     quantized = sampler_settings.SamplerSettings(tiny, **options)
     compiled = sampler_settings.SamplerSettings(tiny, **options, fast=True)
@@ -512,7 +513,7 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
     options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
     fp16 = sampler.sample(sampler_settings.SamplerSettings(tiny, **options), reference.embeds)
     before = torch.cuda.memory_allocated(cuda)
-    settings = sampler_settings.SamplerSettings(tiny, **options, compute=compute)
+    settings = sampler_settings.SamplerSettings(tiny, **options | {"compute": compute})
     first = sampler.sample(settings, reference.embeds)
     assert torch.equal(first, sampler.sample(settings, reference.embeds))
     assert 0.99 < _cosine(first, fp16) < 1
@@ -525,19 +526,28 @@ def test_8bit_compute_on_cuda_close_to_fp16_with_lora_and_nothing_left(
     assert torch.cuda.memory_allocated(cuda) <= before
 
 
-def test_auto_compute_with_fast_runs_the_cards_measured_path(tiny, reference, cuda):
-    """compute auto (the default) with fast: the card's measured path (fp8 on compute capability 9.0, fp16
-    elsewhere; fp16 without fast or with low_vram), its latents close to fp16's, nothing left after the run."""
+def test_auto_compute_runs_the_cards_measured_path(tiny, reference, cuda):
+    """compute auto (the default): the card's measured path (fp8 on compute capability 9.0, fp16
+    elsewhere; fp16 with low_vram), ``fast`` or not, its latents close to fp16's, nothing left after the run."""
     from pixart_lowvram.core.pool import free_all
     from pixart_lowvram.core.quant import compute as compute_paths
 
-    options = {**SETTINGS, "width": 128, "height": 128, "device": cuda, "quantization": "qint8"}
-    expected = compute_paths.resolve("auto", cuda, "qint8", fast=True)
-    auto = sampler_settings.SamplerSettings(tiny, **options, fast=True)
-    assert auto.compute == auto.transformer.compute == expected
-    assert sampler_settings.SamplerSettings(tiny, **options).compute == "fp16"
-    assert sampler_settings.SamplerSettings(tiny, **options, fast=True, low_vram=True).compute == "fp16"
-    fp16 = sampler.sample(sampler_settings.SamplerSettings(tiny, **options, compute="fp16"), reference.embeds)
+    options = {
+        **SETTINGS,
+        "width": 128,
+        "height": 128,
+        "device": cuda,
+        "quantization": "qint8",
+        "compute": "auto",
+    }
+    expected = compute_paths.resolve("auto", cuda, "qint8")
+    auto = sampler_settings.SamplerSettings(tiny, **options)
+    assert auto.transformer.compute == expected
+    assert sampler_settings.SamplerSettings(tiny, **options, fast=True).transformer.compute == expected
+    assert sampler_settings.SamplerSettings(tiny, **options, low_vram=True).transformer.compute == "fp16"
+    fp16 = sampler.sample(
+        sampler_settings.SamplerSettings(tiny, **options | {"compute": "fp16"}), reference.embeds
+    )
     before = torch.cuda.memory_allocated(cuda)
     latents = sampler.sample(auto, reference.embeds)
     assert 0.99 < _cosine(latents, fp16) <= 1

@@ -54,6 +54,12 @@ def wanted(device: torch.device | str) -> bool:
     return fused_kernels.triton is not None and torch.device(device).type == "cuda"
 
 
+def fused(compute: str, device: torch.device | str) -> bool:
+    """Whether blocks computing ``compute`` on ``device`` run fused: an 8-bit compute, where :func:`wanted`
+    says so. The one place the sampler and the int8 MODEL ask."""
+    return compute != FP16 and wanted(device)
+
+
 def use_fused(blocks: torch.nn.ModuleList, compute: str) -> int:
     """Every block of ``blocks`` runs :func:`fused_forward` when ``compute`` is an 8-bit one; returns how
     many. Before the blocks are compiled (``torch.compile`` wraps the forward it finds)."""

@@ -59,9 +59,8 @@ EPILOGUE_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Cards:
     """Where an 8-bit compute runs and where ``auto`` takes it: from CUDA compute ``capability`` on (the
-    NVIDIA cards ``names``), and with the sampler's ``fast`` on the cards of capability ``fastest``
-    (``fastest_names``), where it is measured faster than fp16 + fast within the fidelity bound (latent
-    cosine >= 0.995 against fp16)."""
+    NVIDIA cards ``names``), and by default on the cards of capability ``fastest`` (``fastest_names``), where
+    it is measured faster than fp16 within the fidelity bound (latent cosine >= 0.995 against fp16)."""
 
     capability: tuple[int, int]
     names: str
@@ -84,7 +83,7 @@ logger = logging.getLogger(__name__)
 
 _AUTO = ", ".join(f"{name} on {cards.fastest_names}" for name, cards in TABLE.items() if cards.fastest)
 DESCRIPTIONS = {
-    AUTO: f"fp16, or with the sampler's fast (without low_vram) {_AUTO}, faster there than fp16 + fast",
+    AUTO: f"{_AUTO} (not with the sampler's low_vram), measured faster there than fp16; fp16 elsewhere",
     FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
     INT8: "int8 weights and per-token int8 activations, int8 tensor-core products "
     f"({TABLE[INT8].names}); compiles the blocks on first use",
@@ -98,20 +97,21 @@ def tooltip() -> str:
     return " ".join(f"{name}: {text}." for name, text in DESCRIPTIONS.items())
 
 
-def resolve(compute: object, device: torch.device, scheme: object, fast: bool = False) -> object:
-    """The compute ``auto`` stands for: with ``fast`` (the sampler's, without low_vram), with quantized
-    weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's ``fastest`` that can run it
-    (:func:`unable`), that row's compute; otherwise fp16. Any other value as it is."""
+def resolve(compute: object, device: torch.device, scheme: object, low_vram: bool = False) -> object:
+    """The compute ``auto`` stands for: with quantized weights (``scheme`` not ``none``), without the
+    sampler's ``low_vram`` (unmeasured there), on a card of a :data:`TABLE` row's ``fastest`` that can run it
+    (:func:`unable`), that row's compute; otherwise fp16. Any other value as it is. Decided here alone, once
+    per settings (:class:`..transformer.TransformerSettings`)."""
     if compute != AUTO:
         return compute
-    if not fast or device.type != "cuda" or scheme == "none":
+    if low_vram or device.type != "cuda" or scheme == "none":
         return FP16
     capability = torch.cuda.get_device_capability(device)
     chosen = next((name for name, cards in TABLE.items() if cards.fastest == capability), FP16)
     if chosen == FP16 or unable(chosen, device):
         return FP16
     logger.info(
-        "compute auto: %s on %s with fast (set compute to fp16 for fp16's products)",
+        "compute auto: %s on %s (set compute to fp16 for fp16's products)",
         chosen,
         torch.cuda.get_device_name(device),
     )

@@ -256,7 +256,7 @@ def load(
         config,
         transformer.compute,
         compiled=transformer.compiled and load_device.type == "cuda",
-        fused=transformer.compute != compute_paths.FP16 and fused_block.wanted(load_device),
+        fused=fused_block.fused(transformer.compute, load_device),
     )
     patcher.add_object_patch(forward.OBJECT, pack_forward)
     patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, pack_forward.follow)
