@@ -220,14 +220,20 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
 def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
     """``auto`` (the default) takes the measured faster path: fp8 on an NVIDIA card of compute capability
     9.0 with quantized weights, ``fast`` or not; fp16 with the sampler's low_vram, on other cards,
-    unquantized, on the CPU, on ROCm, and wherever the table's compute cannot run. A value set is kept as
-    it is."""
+    unquantized, on the CPU, on ROCm, without Triton, and wherever the table's compute cannot run. A value
+    set is kept as it is."""
     cuda = torch.device("cuda")
     _card(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(compute, "compiler", lambda: True)
     with caplog.at_level("INFO", logger=compute.__name__):
         assert compute.resolve("auto", cuda, "qint8") == "fp8"
+        monkeypatch.setattr(compute, "compiler", lambda: False)  # no Triton: the blocks cannot compile
+        assert compute.resolve("auto", cuda, "qint8") == "fp16"
+        assert compute.resolve("fp8", cuda, "qint8") == "fp8"  # asked for: its compile's error says so
+        monkeypatch.setattr(compute, "compiler", lambda: True)
     assert caplog.messages == [
-        "compute auto: fp8 on NVIDIA H100 80GB HBM3 (set compute to fp16 for fp16's products)"
+        "compute auto: fp8 on NVIDIA H100 80GB HBM3 (set compute to fp16 for fp16's products)",
+        "compute auto: fp16 on NVIDIA H100 80GB HBM3: no Triton, which fp8's compiled blocks need",
     ]
     assert compute.resolve("auto", cuda, "qfloat8") == "fp8"
     assert compute.resolve("auto", cuda, "qint8", low_vram=True) == "fp16"

@@ -38,6 +38,7 @@ LoRA stays on the fused path: its input is made 8-bit by the op before it, as wi
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -100,8 +101,9 @@ def tooltip() -> str:
 def resolve(compute: object, device: torch.device, scheme: object, low_vram: bool = False) -> object:
     """The compute ``auto`` stands for: with quantized weights (``scheme`` not ``none``), without the
     sampler's ``low_vram`` (unmeasured there), on a card of a :data:`TABLE` row's ``fastest`` that can run it
-    (:func:`unable`), that row's compute; otherwise fp16. Any other value as it is. Decided here alone, once
-    per settings (:class:`..transformer.TransformerSettings`)."""
+    (:func:`unable`) and with Triton to compile its blocks (:func:`compiler`), that row's compute; otherwise
+    fp16. Any other value as it is. Decided here alone, once per settings
+    (:class:`..transformer.TransformerSettings`)."""
     if compute != AUTO:
         return compute
     if low_vram or device.type != "cuda" or scheme == "none":
@@ -110,12 +112,21 @@ def resolve(compute: object, device: torch.device, scheme: object, low_vram: boo
     chosen = next((name for name, cards in TABLE.items() if cards.fastest == capability), FP16)
     if chosen == FP16 or unable(chosen, device):
         return FP16
+    name = torch.cuda.get_device_name(device)
+    if not compiler():
+        logger.info("compute auto: fp16 on %s: no Triton, which %s's compiled blocks need", name, chosen)
+        return FP16
     logger.info(
         "compute auto: %s on %s (set compute to fp16 for fp16's products)",
         chosen,
-        torch.cuda.get_device_name(device),
+        name,
     )
     return chosen
+
+
+def compiler() -> bool:
+    """Whether torch.compile has Triton to build the 8-bit blocks' GPU code with."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def unable(compute: str, device: torch.device) -> str | None:
