@@ -239,7 +239,7 @@ class SamplerSettings:
             device=self.device,
             quant_cache=self.quant_cache,
             also_reads=["scheduler"],
-            low_vram=self.low_vram,  # auto's 8-bit compute is measured without it
+            eight_bit_auto=not self.low_vram,  # auto's 8-bit compute is measured without low_vram
         )
         native = transformer.native_size
         derived = {"transformer": transformer, "device": transformer.device}

@@ -54,8 +54,9 @@ class TransformerSettings:
 
     ``transformer_file`` (one safetensors file, original PixArt or diffusers layout) replaces ``model``'s
     transformer/. ``quantization`` names the scheme of :data:`~.quant.TRANSFORMER_SCHEMES`, ``compute`` how
-    the blocks' quantized layers compute (:mod:`.quant.compute`; ``auto`` resolved here, once, with the
-    sampler's ``low_vram``: :func:`.quant.compute.resolve`), ``precision`` the compute dtype (fp16 on a
+    the blocks' quantized layers compute (:mod:`.quant.compute`; ``auto`` resolved here, once:
+    :func:`.quant.compute.resolve`, the card's measured 8-bit path where ``eight_bit_auto`` lets it),
+    ``precision`` the compute dtype (fp16 on a
     GPU, bf16 on the CPU when None). With ``quant_cache`` (a folder) the quantized transformer is saved there
     on first use and read back later (:mod:`quant_cache`). ``also_reads``: other parts of ``model`` the
     caller reads (the sampler's scheduler/), checked with the transformer's so that one error names every
@@ -69,13 +70,16 @@ class TransformerSettings:
     device: torch.device | str | None = None
     quant_cache: str | os.PathLike | None = None
     also_reads: InitVar[Sequence[str]] = ()
-    low_vram: InitVar[bool] = False
+    # Whether auto may take the card's measured 8-bit path: the sampler's, without low_vram (unmeasured
+    # there); not the int8 MODEL's, where a LoRA still makes the 8-bit path slower than fp16 (front.py on an
+    # H100; the figures are in this line's commit message).
+    eight_bit_auto: InitVar[bool] = False
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
     weights: ModelSource | TransformerFile = field(init=False)
     config: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, also_reads: Sequence[str], low_vram: bool) -> None:
+    def __post_init__(self, also_reads: Sequence[str], eight_bit_auto: bool) -> None:
         INPUTS.check(self)
         if self.quant_cache is not None:
             object.__setattr__(self, "quant_cache", Path(self.quant_cache))
@@ -94,7 +98,9 @@ class TransformerSettings:
             if isinstance(weights, TransformerFile)
             else self.model.config("transformer"),
         }
-        derived["compute"] = compute_paths.resolve(self.compute, device, self.quantization, low_vram=low_vram)
+        derived["compute"] = compute_paths.resolve(
+            self.compute, device, self.quantization, eight_bit=eight_bit_auto
+        )
         compute_paths.require(derived["compute"], device, self.quantization)
         for name, value in derived.items():
             object.__setattr__(self, name, value)

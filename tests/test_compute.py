@@ -218,51 +218,53 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
 
 
 def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
-    """``auto`` (the default) takes the measured faster path: fp8 on an NVIDIA card of compute capability
-    9.0 with quantized weights, ``fast`` or not; fp16 with the sampler's low_vram, on other cards,
-    unquantized, on the CPU, on ROCm, without Triton, and wherever the table's compute cannot run. A value
-    set is kept as it is."""
+    """``auto`` (the default) takes the measured faster path where its caller lets it (``eight_bit``: the
+    sampler without low_vram): fp8 on an NVIDIA card of compute capability 9.0 with quantized weights;
+    fp16 where it may not, on other cards, unquantized, on the CPU, on ROCm, without Triton, and wherever
+    the table's compute cannot run. A value set is kept as it is."""
     cuda = torch.device("cuda")
     _card(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(compute, "compiler", lambda: True)
     with caplog.at_level("INFO", logger=compute.__name__):
-        assert compute.resolve("auto", cuda, "qint8") == "fp8"
+        assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp8"
         monkeypatch.setattr(compute, "compiler", lambda: False)  # no Triton: the blocks cannot compile
-        assert compute.resolve("auto", cuda, "qint8") == "fp16"
+        assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp16"
         assert compute.resolve("fp8", cuda, "qint8") == "fp8"  # asked for: its compile's error says so
         monkeypatch.setattr(compute, "compiler", lambda: True)
     assert caplog.messages == [
         "compute auto: fp8 on NVIDIA H100 80GB HBM3 (set compute to fp16 for fp16's products)",
         "compute auto: fp16 on NVIDIA H100 80GB HBM3: no Triton, which fp8's compiled blocks need",
     ]
-    assert compute.resolve("auto", cuda, "qfloat8") == "fp8"
-    assert compute.resolve("auto", cuda, "qint8", low_vram=True) == "fp16"
-    assert compute.resolve("auto", cuda, "none") == "fp16"
-    assert compute.resolve("auto", torch.device("cpu"), "qint8") == "fp16"
-    assert compute.resolve("auto", torch.device("mps"), "qint8") == "fp16"
+    assert compute.resolve("auto", cuda, "qfloat8", eight_bit=True) == "fp8"
+    assert compute.resolve("auto", cuda, "qint8", eight_bit=False) == "fp16"
+    assert compute.resolve("auto", cuda, "none", eight_bit=True) == "fp16"
+    assert compute.resolve("auto", torch.device("cpu"), "qint8", eight_bit=True) == "fp16"
+    assert compute.resolve("auto", torch.device("mps"), "qint8", eight_bit=True) == "fp16"
     for kept in ("fp16", "int8", "fp8"):
-        assert compute.resolve(kept, cuda, "qint8", low_vram=True) == kept
+        assert compute.resolve(kept, cuda, "qint8") == kept
     _card(monkeypatch, (8, 9), "NVIDIA L4")  # unmeasured
-    assert compute.resolve("auto", cuda, "qint8") == "fp16"
+    assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp16"
     _card(monkeypatch, (9, 0), "AMD Instinct MI250X", hip="6.2.41133")
-    assert compute.resolve("auto", cuda, "qint8") == "fp16"
+    assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp16"
     # A row naming a card below its own capability: auto still takes only what the card runs.
     monkeypatch.setitem(compute.TABLE, "fp8", dataclasses.replace(compute.TABLE["fp8"], fastest=(8, 6)))
     _card(monkeypatch, (8, 6), "NVIDIA GeForce RTX 3090")
-    assert compute.resolve("auto", cuda, "qint8") == "fp16"
+    assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp16"
 
 
 def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
-    asking once, with the sampler's low_vram (``fast`` plays no part)."""
+    asking once: 8-bit allowed without low_vram (``fast`` plays no part), never for the int8 MODEL's
+    settings (a LoRA there costs fp8 more than it saves)."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
-    monkeypatch.setattr(compute, "resolve", lambda *args, low_vram: asked.append(low_vram) or "fp8")
+    monkeypatch.setattr(compute, "resolve", lambda *args, eight_bit: asked.append(eight_bit) or "fp8")
     chosen = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
-    assert asked == [False, True, False]
+    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # the int8 Model Loader's
+    assert asked == [True, False, True, False]
     assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
     assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
     assert chosen.compiled is False  # fp8 on the CPU runs eager
@@ -300,7 +302,7 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             for doc in (readme, usage):
                 assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert f"auto: {name} on {cards.fastest_names} (not with the sampler's low_vram)" in text, (
+                assert f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram)" in text, (
                     name
                 )
             major, minor = cards.fastest

@@ -540,7 +540,7 @@ def test_auto_compute_runs_the_cards_measured_path(tiny, reference, cuda):
         "quantization": "qint8",
         "compute": "auto",
     }
-    expected = compute_paths.resolve("auto", cuda, "qint8")
+    expected = compute_paths.resolve("auto", cuda, "qint8", eight_bit=True)
     auto = sampler_settings.SamplerSettings(tiny, **options)
     assert auto.transformer.compute == expected
     assert sampler_settings.SamplerSettings(tiny, **options, fast=True).transformer.compute == expected
