@@ -861,3 +861,44 @@ def test_the_8bit_models_compiled_forward_computes_what_its_eager_one_does(
         for block in compiled.skeleton.transformer_blocks
     )  # compiled wrappers around the fused forward
     eager.reset(), compiled.reset()
+
+
+def test_a_lora_on_the_compiled_8bit_model_compiles_once_for_every_run(
+    comfy, tiny_folder, tmp_path_factory, graphs, monkeypatch
+):
+    """Each sampling run gives the 8-bit layers new LoRA branches (new tensors, copied to the device): the
+    compiled, fused MODEL traces its blocks once with branches and runs that graph on every later run (no
+    graph break, no compile per prompt). (tests/test_fused_block.py: a LoRA keeps every input fused.)"""
+    from pixart_lowvram.core.quant import block as fused_block
+    from pixart_lowvram.core.quant import compute as compute_paths
+    from pixart_lowvram.core.quant import quanto
+    from pixart_lowvram.nodes.int8_model import forward as pack_forward
+
+    monkeypatch.setenv(fused_block.VARIABLE, "1")
+    model = int8_model_of(tiny_folder, tmp_path_factory, compute="int8")
+    eager = model.object_patches[pack_forward.OBJECT]
+    compiled = pack_forward.PackForward(
+        model.model.diffusion_model, eager.config, eager.unet_config, "int8", compiled=True, fused=True
+    )
+    layers = [
+        layer
+        for layer in model.model.diffusion_model.blocks.modules()
+        if isinstance(layer, quanto.ScaledWeightLinear)
+    ]
+    x, timestep = torch.randn(2, 4, 34, 34), torch.tensor([999.0, 421.0])
+    caption = torch.randn(2, 1, 40, caption_width(model))
+    try:
+        for run in range(3):
+            generator = torch.Generator().manual_seed(run)
+            for layer in layers:  # what RunPatches.start gives each 8-bit layer: fresh factors each run
+                rank = 4
+                up = torch.randn(layer.out_features, rank, generator=generator)
+                down = torch.randn(rank, layer.in_features, generator=generator)
+                layer.low_rank = (compute_paths.LowRank(up, down, 0.5).scaled(),)
+            with torch.inference_mode():
+                compiled(x, timestep, caption)
+            assert len(graphs) == 1, f"run {run}: {len(graphs)} graphs"
+    finally:
+        for layer in layers:
+            quanto.clear_run_patches(layer)
+        compiled.reset()
