@@ -887,14 +887,19 @@ def test_a_lora_on_the_compiled_8bit_model_compiles_once_for_every_run(
     ]
     x, timestep = torch.randn(2, 4, 34, 34), torch.tensor([999.0, 421.0])
     caption = torch.randn(2, 1, 40, caption_width(model))
+    rank = 4
+    sizes = [(layer.out_features * rank, layer.in_features * rank) for layer in layers]
     try:
         for run in range(3):
-            generator = torch.Generator().manual_seed(run)
-            for layer in layers:  # what RunPatches.start gives each 8-bit layer: fresh factors each run
-                rank = 4
-                up = torch.randn(layer.out_features, rank, generator=generator)
-                down = torch.randn(rank, layer.in_features, generator=generator)
-                layer.low_rank = (compute_paths.LowRank(up, down, 0.5).scaled(),)
+            # What RunPatches.start gives each 8-bit layer: fresh factors each run, every one a view of one
+            # block copied to the device (nodes/int8_model/lora.py, _Factors), each at its own offset.
+            block = torch.randn(sum(a + b for a, b in sizes), generator=torch.Generator().manual_seed(run))
+            offset = 0
+            for layer, (a, b) in zip(layers, sizes, strict=True):
+                up = block[offset : offset + a].view(layer.out_features, rank)
+                down = block[offset + a : offset + a + b].view(rank, layer.in_features)
+                offset += a + b
+                layer.low_rank = (compute_paths.LowRank(up, down, 1.0),)
             with torch.inference_mode():
                 compiled(x, timestep, caption)
             assert len(graphs) == 1, f"run {run}: {len(graphs)} graphs"
