@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -20,6 +21,7 @@ from .contract import (
 from .estimates import Workload
 from .models import ModelSource
 from .pool import cache
+from .quant import compute as compute_paths
 from .sampler_settings import INPUTS, SamplerSettings
 from .schedulers import make_scheduler, steps_to_run
 
@@ -138,9 +140,30 @@ def sample(
         noised = schedule.add_noise(init_latents * scale, noise, schedule.timesteps[:1])
         # The pipeline multiplies the latents it is given by init_noise_sigma, as it does pure noise.
         latents = noised / schedule.init_noise_sigma
+    drawn = generator.get_state()
     with measure.stage("sample", settings.device, report, settings.out_of_memory_advice()):
-        latents = _sample(settings, embeds, latents, schedule, generator, on_progress, on_warning)
+        try:
+            latents = _sample(settings, embeds, latents, schedule, generator, on_progress, on_warning)
+        except transformer_run.CompileFailed as exc:
+            if not _compiled_for_auto(settings):
+                raise
+            # auto's 8-bit compute compiles its blocks; where the compiler fails, fp16 uncompiled instead,
+            # for this prompt and (compute.compiler) every later one of the process.
+            compute_paths.compiler_failed(exc.cause)
+            logger.warning(
+                "compute auto: torch.compile failed on this machine (%s); running compute fp16 instead",
+                exc.cause,
+            )
+            settings = dataclasses.replace(settings, compute=compute_paths.FP16)
+            generator.set_state(drawn)
+            latents = _sample(settings, embeds, latents, schedule, generator, on_progress, on_warning)
     return latents / scale
+
+
+def _compiled_for_auto(settings: SamplerSettings) -> bool:
+    """Whether the blocks compiled only because ``auto`` chose an 8-bit compute (no ``fast`` asked for)."""
+    chosen = settings.compute == compute_paths.AUTO and settings.transformer.compute != compute_paths.FP16
+    return chosen and not settings.fast
 
 
 def _sample(

@@ -193,10 +193,18 @@ def _as_blocks_take(captions_vary: bool, _block, args: tuple, kwargs: dict):
     return (hidden.contiguous(), *args[1:]), kwargs
 
 
-def compile_failed(exc: BaseException) -> RuntimeError:
+class CompileFailed(RuntimeError):
+    """torch.compile cannot run on this machine (:func:`compile_failed`); ``cause``: the compiler's own
+    error, in one line."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+def compile_failed(exc: BaseException) -> CompileFailed:
     """The error for a torch.compile that cannot run here, at wrapping or at the first call
     (``BackendCompilerFailed``, whose ``inner_exception`` is the compiler's own)."""
     cause = getattr(exc, "inner_exception", None) or exc
-    return RuntimeError(
-        f"fast: torch.compile failed on this machine ({type(cause).__name__}: {cause}). {FAST_FIX}"
-    )
+    said = f"{type(cause).__name__}: {cause}"
+    return CompileFailed(f"fast: torch.compile failed on this machine ({said}). {FAST_FIX}", said)

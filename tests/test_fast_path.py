@@ -182,3 +182,43 @@ def test_a_compiler_failure_names_the_fast_option(tiny, reference, monkeypatch):
             reference.embeds,
         )
     torch._dynamo.reset()
+
+
+def test_autos_8bit_compile_failing_falls_back_to_fp16_in_one_line(tiny, reference, monkeypatch, caplog):
+    """Where auto chose an 8-bit compute (an H100's fp8, here int8 on the CPU with its blocks compiled as on
+    a GPU) and torch.compile fails, the prompt runs compute fp16 uncompiled, fp16's latents, with one log
+    line, and auto takes fp16 for the rest of the process; an 8-bit compute asked for by name still stops
+    with the error that names the option."""
+    from pixart_lowvram.core.quant import compute
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(transformer_run, "COMPILE_BACKEND", broken)
+    monkeypatch.setattr(compute, "_COMPILER_FAILED", [None])
+    monkeypatch.setattr(
+        compute, "resolve", lambda chosen, *args, eight_bit=False: "int8" if chosen == "auto" else chosen
+    )
+    # The blocks compile for an 8-bit compute, as on a GPU.
+    compiled = property(lambda settings: settings.fast or settings.transformer.compute != "fp16")
+    monkeypatch.setattr(sampler_settings.SamplerSettings, "compiled", compiled)
+    torch._dynamo.reset()
+    options = {**SETTINGS, **FP32, "quantization": "qint8"}
+    try:
+        with caplog.at_level("WARNING", logger=sampler.__name__):
+            got = sampler.sample(sampler_settings.SamplerSettings(tiny, **options), reference.embeds)
+        assert [r.getMessage() for r in caplog.records if r.name == sampler.__name__] == [
+            "compute auto: torch.compile failed on this machine (RuntimeError: no C compiler); running "
+            "compute fp16 instead"
+        ]
+        fp16 = sampler.sample(
+            sampler_settings.SamplerSettings(tiny, **options, compute="fp16"), reference.embeds
+        )
+        torch.testing.assert_close(got, fp16, rtol=0, atol=0)
+        assert not compute.compiler()
+        with pytest.raises(transformer_run.CompileFailed, match=r"^fast: torch\.compile failed"):
+            sampler.sample(
+                sampler_settings.SamplerSettings(tiny, **options, compute="int8"), reference.embeds
+            )
+    finally:
+        torch._dynamo.reset()

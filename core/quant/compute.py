@@ -115,7 +115,8 @@ def resolve(compute: object, device: torch.device, scheme: object, eight_bit: bo
         return FP16
     name = torch.cuda.get_device_name(device)
     if not compiler():
-        logger.info("compute auto: fp16 on %s: no Triton, which %s's compiled blocks need", name, chosen)
+        why = _COMPILER_FAILED[0] or "no Triton"
+        logger.info("compute auto: fp16 on %s: %s, which %s's compiled blocks need", name, why, chosen)
         return FP16
     logger.info(
         "compute auto: %s on %s (set compute to fp16 for fp16's products)",
@@ -125,9 +126,19 @@ def resolve(compute: object, device: torch.device, scheme: object, eight_bit: bo
     return chosen
 
 
+# Why torch.compile failed in this process, once it has (:func:`compiler_failed`); None until then.
+_COMPILER_FAILED: list[str | None] = [None]
+
+
 def compiler() -> bool:
-    """Whether torch.compile has Triton to build the 8-bit blocks' GPU code with."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether torch.compile can build the 8-bit blocks' GPU code: Triton installed, and no compile of this
+    process failed (:func:`compiler_failed`)."""
+    return _COMPILER_FAILED[0] is None and importlib.util.find_spec("triton") is not None
+
+
+def compiler_failed(why: str) -> None:
+    """Record that torch.compile failed here (``why``, one line): ``auto`` takes fp16 from now on."""
+    _COMPILER_FAILED[0] = f"torch.compile failed ({why})"
 
 
 def unable(compute: str, device: torch.device) -> str | None:
