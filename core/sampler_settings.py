@@ -137,7 +137,8 @@ INPUTS = inputs.Inputs(
         "Compile the transformer's blocks (torch.compile) and run them on weights expanded from qint8/qfloat8 "
         "to fp16 one block at a time: faster than fp16 at about the quantized model's memory. The first image "
         "of a session (and of each new size) waits for the compile, about 20 s on a GPU; keep_loaded keeps "
-        "the compiled model. Needs a working torch.compile (Triton on NVIDIA GPUs).",
+        "the compiled model. Needs a working torch.compile (Triton on NVIDIA GPUs). An 8-bit compute (auto's "
+        "on H100/H200) compiles its blocks with or without fast.",
         optional=True,
         help="the fast sampler path: compiled blocks on weights expanded one block at a time (compiles first)",
     ),
