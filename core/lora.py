@@ -5,7 +5,7 @@ A LoRA file holds, for some of the transformer's layers, two low-rank factors ``
 ``W + strength × alpha / rank × up @ down``. The quantized layers keep their int8 weights as they are; the
 sum is formed from the weight each layer expands anyway (:class:`~.quant.quanto.ScaledWeightLinear`'s
 ``weight_patch``), per call or once per run where the sampler holds the weights expanded — or, on a layer
-computing in 8 bits, as a low-rank branch beside its product (:class:`~.quant.compute.LowRank`) — so no
+computing in 8 bits, as a low-rank branch beside its product (:class:`~.quant.compute.Beside`) — so no
 float copy of the transformer is ever made or kept, and the model a prompt leaves in the pool is the one without
 LoRAs. An unquantized layer (``proj_out``, or every layer with quantization ``none``) gets the same sum
 through torch's parametrizations, undone after the run.
@@ -27,7 +27,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .contract import WarningCallback, warn
-from .quant.compute import FP16, LowRank
+from .quant.compute import FP16, Beside, LowRank
 from .quant.quanto import ScaledWeightConv2d, ScaledWeightLinear, clear_run_patches
 
 logger = logging.getLogger(__name__)
@@ -241,11 +241,10 @@ def _patchable(layer: torch.nn.Module | None) -> bool:
 
 def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
     if isinstance(layer, ScaledWeightLinear) and layer.compute != FP16:
-        # An 8-bit layer's weight is never patched: the LoRA runs beside its product.
+        # An 8-bit layer's weight is never patched: the LoRAs run beside its product.
         device, dtype = layer.weight.device, layer.weight_scale.dtype
-        layer.low_rank = tuple(
-            LowRank(f.up, f.down, f.scale).scaled().on(device, dtype) for f in patch.factors
-        )
+        branches = tuple(LowRank(f.up, f.down, f.scale).on(device, torch.float32) for f in patch.factors)
+        layer.low_rank = Beside.of(branches, layer.out_features, layer.compute, dtype)
     elif isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
         layer.weight_patch = patch
     else:

@@ -106,48 +106,74 @@ def test_a_layer_computes_by_its_path_and_few_rows_take_the_fp16_one(path):
     assert quanto.dense_layers(layer) == []  # an 8-bit layer never holds its weight expanded
 
 
+def _beside(path: str, strength: float = 0.5) -> tuple[compute.Beside, list[compute.LowRank]]:
+    """Two LoRAs of a 96-row, 128-wide layer as one branch: rank 4 on rows 32:64, rank 3 on rows 64:96."""
+    generator = torch.Generator().manual_seed(2)
+    loras = [
+        compute.LowRank(torch.randn(32, rank, generator=generator), torch.randn(rank, 128, generator=generator),
+                        strength, rows)
+        for rank, rows in ((4, (32, 32)), (3, (64, 32)))
+    ]  # fmt: skip
+    return compute.Beside.of(tuple(loras), 96, path, torch.float32), loras
+
+
+def _lora_delta(loras: list[compute.LowRank], x: torch.Tensor) -> torch.Tensor:
+    """The LoRAs' change to the layer's output in float64: ``scale × x @ downᵀ @ upᵀ`` on each one's rows."""
+    delta = torch.zeros(*x.shape[:-1], 96, dtype=torch.float64)
+    for lora_ in loras:
+        start, size = lora_.rows
+        delta[..., start : start + size] += (
+            lora_.scale * x.double() @ lora_.down.double().t() @ lora_.up.double().t()
+        )
+    return delta
+
+
 @pytest.mark.parametrize("path", ["int8", "fp8"])
-def test_a_low_rank_branch_adds_its_lora_to_its_rows(path):
-    """The branch takes the input as the 8-bit product does, quantized per row: its rows get
-    ``0.5 × x̂ @ downᵀ @ upᵀ`` (``x̂`` the quantized input, in float64), the others are untouched; the same
-    whether the layer quantizes its input or is handed it quantized (the fused blocks)."""
+def test_a_layers_loras_are_one_branch_beside_its_8bit_product(path):
+    """Two LoRAs on an 8-bit layer: one branch, its stacked ``down`` quantized per row (16 rows: 7 and zeros)
+    and multiplied by the input as the 8-bit product takes it, quantized — the same whether the layer
+    quantizes its input or is handed it quantized (the fused blocks). The branch adds exactly what its 8-bit
+    factors say (float64 of the same values, within the middle's rounding to bfloat16), within the 8-bit
+    bound of the LoRAs' own change, on their rows only; a call of few rows (the fp16 path) adds the same
+    branch to its unquantized input."""
     data, scale = _quantized_weight(96, 128)
     layer = quanto.ScaledWeightLinear(data, scale, None)
     quanto.set_compute(layer, path)
     x = torch.randn(compute.MIN_ROWS * 2, 128)
-    up, down = torch.randn(32, 4), torch.randn(4, 128)
     base = layer(x)
-    layer.low_rank = (compute.LowRank(up, down, 0.5, rows=(32, 32)),)
+    beside, loras = _beside(path)
+    assert beside.down.shape == (16, 128) and beside.up.shape == (96, 16)
+    assert beside.down.dtype == layer.weight.dtype and not beside.down[7:].float().any()
+    layer.low_rank = beside
     got = layer(x)
     rows = compute.quantize_rows(x, path)
     seen = rows.values.double() * rows.scales.double()
-    delta = 0.5 * seen @ down.double().t() @ up.double().t()
-    torch.testing.assert_close(got[:, 32:64].double(), base[:, 32:64].double() + delta, rtol=1e-5, atol=1e-4)
+    down = beside.down.double() * beside.down_scale.double()
+    branch = seen @ down.t() @ beside.up.double().t()
+    assert _relative(got - base, branch) < 0.01
+    assert _relative(got - base, _lora_delta(loras, x)) < BOUND[path]
     torch.testing.assert_close(got[:, :32], base[:, :32], rtol=0, atol=0)
-    torch.testing.assert_close(got[:, 64:], base[:, 64:], rtol=0, atol=0)
     assert torch.equal(layer.product(rows, x.dtype), got)
+    few = x[: compute.MIN_ROWS]
+    layer.low_rank = None
+    plain = layer(few)
+    layer.low_rank = beside
+    assert _relative(layer(few) - plain, few.double() @ down.t() @ beside.up.double().t()) < 1e-5
 
 
 def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph(graphs):
-    """Dynamo reads a branch's float scale as a constant: with static shapes (the sampler's blocks) each
-    strength compiled again, and past eight a block ran eager. Scaled (its scale in ``up``), the same branch
-    at any strength is one graph, and computes what the scale does, within float32's rounding of ``up``."""
+    """Dynamo reads a float attribute as a constant (with static shapes, the sampler's blocks compiled again
+    for each strength, and past eight ran eager). The branch carries its LoRAs' scales in ``up``: every
+    strength is one graph, and computes what the eager layer does."""
     data, scale = _quantized_weight(96, 128)
     layer = quanto.ScaledWeightLinear(data, scale, None)
     quanto.set_compute(layer, "int8")
     x = torch.randn(compute.MIN_ROWS * 2, 128)
-    up, down = torch.randn(32, 4), torch.randn(4, 128)
-    for scaled in (False, True):
-        torch._dynamo.reset()
-        graphs.clear()
-        run = torch.compile(layer.forward, backend=graphs, dynamic=False)
-        for strength in (0.5, 0.25, 1.5):
-            branch = compute.LowRank(up, down, strength, rows=(32, 32))
-            layer.low_rank = (branch.scaled() if scaled else branch,)
-            got = run(x)
-            layer.low_rank = (branch,)
-            torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
-        assert len(graphs) == (1 if scaled else 3)
+    run = torch.compile(layer.forward, backend=graphs, dynamic=False)
+    for strength in (0.5, 0.25, 1.5):
+        layer.low_rank = _beside("int8", strength)[0]
+        torch.testing.assert_close(run(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1
 
 
 def test_a_low_rank_fold_adds_its_lora_to_the_weights_rows():
@@ -219,7 +245,7 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
 
 def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
     """``auto`` (the default) takes the measured faster path where its caller lets it (``eight_bit``: the
-    sampler without low_vram): fp8 on an NVIDIA card of compute capability 9.0 with quantized weights;
+    int8 MODEL, the sampler without low_vram): fp8 on an NVIDIA card of compute capability 9.0 with quantized weights;
     fp16 where it may not, on other cards, unquantized, on the CPU, on ROCm, without Triton, and wherever
     the table's compute cannot run. A value set is kept as it is."""
     cuda = torch.device("cuda")
@@ -254,8 +280,8 @@ def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
 
 def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
-    asking once: 8-bit allowed without low_vram (``fast`` plays no part), never for the int8 MODEL's
-    settings (a LoRA there costs fp8 more than it saves)."""
+    asking once: 8-bit allowed without low_vram (``fast`` plays no part); the int8 Model Loader's settings
+    allow it."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
@@ -263,8 +289,11 @@ def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     chosen = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
-    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # the int8 Model Loader's
-    assert asked == [True, False, True, False]
+    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # allowed only when asked
+    transformer.TransformerSettings(
+        tiny, quantization="qint8", device="cpu", eight_bit_auto=True
+    )  # the loader
+    assert asked == [True, False, True, False, True]
     assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
     assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
     assert chosen.compiled is False  # fp8 on the CPU runs eager
@@ -302,7 +331,7 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             for doc in (readme, usage):
                 assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram)" in text, (
+                assert f"auto: {name} on {cards.fastest_names} (not with the sampler's low_vram)" in text, (
                     name
                 )
             major, minor = cards.fastest
@@ -382,8 +411,8 @@ def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp
     stored = layer.weight.clone()
     path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=4)
     with lora.applied(model, [lora.LoraSpec(path_file, 1.0)]):
-        assert layer.weight_patch is None and len(layer.low_rank) == 1
+        assert layer.weight_patch is None and isinstance(layer.low_rank, compute.Beside)
         assert layer.weight_dense is None
-    assert layer.low_rank == ()
+    assert layer.low_rank is None
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))

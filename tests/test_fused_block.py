@@ -102,8 +102,9 @@ def test_the_bound_catches_a_fused_block_without_its_gate(blocks, monkeypatch):
 
 
 def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
-    """A LoRA on ``to_k``: every input stays fused, the branch taking q, k and v's quantized input as the
-    product does; the LoRA moves the output as it moves the unfused and the unquantized block's."""
+    """A LoRA on ``to_k``: every input stays fused, its branch taking q, k and v's quantized input as the
+    product does; the LoRA moves the output as it moves the unfused block's and the unquantized one's (its
+    LoRA folded into the weight)."""
     _path, block, unquantized = blocks
     x, kwargs = _inputs(tokens=64)
     generator = torch.Generator().manual_seed(3)
@@ -111,12 +112,14 @@ def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
     key = block.attn1.to_k
     without = block(x, **kwargs)
     fused_op_calls.clear()
-    key.low_rank = (compute.LowRank(up.to(DTYPE), down.to(DTYPE), 0.5),)
-    unquantized.attn1.to_k.low_rank = (compute.LowRank(up, down, 0.5),)
+    lora_ = compute.LowRank(up, down, 0.5)
+    key.low_rank = compute.Beside.of((lora_,), 64, key.compute, DTYPE)
+    reference = unquantized.attn1.to_k
+    reference.weight_patch = lora_.fold_into  # the unquantized block: the LoRA in its weight
     try:
         fused, unfused, full = _changes(block, unquantized, x, kwargs)
     finally:
-        key.low_rank = unquantized.attn1.to_k.low_rank = ()
+        quanto.clear_run_patches(key), quanto.clear_run_patches(reference)
     assert fused_op_calls == {"norm_modulate_quantize": 2, "gelu_quantize": 1, "quantize_rows": 3}
     error = relative_error(unfused, full)
     assert relative_error(fused, unfused) <= 2 * error

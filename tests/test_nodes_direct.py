@@ -496,3 +496,23 @@ def test_out_of_memory_in_a_node_says_how_to_free_vram_in_comfyui(comfy, chain, 
     for part in ("ran out of GPU memory", "free the GPU memory other models hold", "Free VRAM"):
         assert part in message, f"{part!r} not in: {message}"
     assert len(cache) == 0
+
+
+def test_the_model_loaders_auto_may_take_the_cards_8bit_path(comfy, monkeypatch):
+    """The int8 Model Loader's ``auto`` is the sampler's: the card's measured 8-bit path (fp8 on H100/H200;
+    its LoRAs run beside the products), fp16 elsewhere (the CPU here)."""
+    from pixart_lowvram.core.quant import compute as compute_paths
+
+    asked = []
+    resolve = compute_paths.resolve
+    monkeypatch.setattr(
+        compute_paths,
+        "resolve",
+        lambda compute, device, scheme, eight_bit=False: (
+            asked.append((compute, eight_bit)) or resolve(compute, device, scheme, eight_bit)
+        ),
+    )
+    graph = {"1": {"class_type": "PixArtQ_ModelLoader", "inputs": {}}}
+    model = Prompt(comfy, graph).call("1", model=MODEL, quantization="qint8").result[0]
+    assert asked == [("auto", True)]
+    assert model.model.diffusion_model is not None

@@ -135,10 +135,10 @@ class ScaledWeightLinear(torch.nn.Module):
     graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer."""
 
     weight_patch: WeightPatch | None = None
-    # How the layer computes (:mod:`.compute`; :func:`set_compute`), and the LoRAs an 8-bit layer adds as
-    # low-rank branches for a run (its weight is never patched).
+    # How the layer computes (:mod:`.compute`; :func:`set_compute`), and the LoRAs an 8-bit layer adds beside
+    # its product for a run (its weight is never patched).
     compute: str = compute_paths.FP16
-    low_rank: tuple[compute_paths.LowRank, ...] = ()
+    low_rank: compute_paths.Beside | None = None
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -159,21 +159,17 @@ class ScaledWeightLinear(torch.nn.Module):
 
     def takes_rows(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows takes its input quantized per row (:meth:`product`), so an input
-        quantized ahead serves it: every 8-bit call, LoRA branches included (they take the input as the
+        quantized ahead serves it: every 8-bit call, LoRAs included (their branch takes the input as the
         product does)."""
         return self.eight_bit(rows)
 
     def product(self, rows: compute_paths.Rows, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's 8-bit product of an input quantized per row, in ``dtype``, with its LoRA branches on
-        that input (:meth:`.compute.Rows.dequantized`)."""
+        """The layer's 8-bit product of an input quantized per row, in ``dtype``, with its LoRAs' branch on
+        that input (:class:`.compute.Beside`)."""
         device = rows.values.device
         weight, scale, bias = (_on(t, device) for t in (self.weight, self.weight_scale, self.bias))
         out = compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
-        if len(self.low_rank):  # dynamo cannot trace the truth of a tuple
-            input = rows.dequantized(dtype)
-            for branch in self.low_rank:
-                out = branch.add_to(out, input)
-        return out
+        return out if self.low_rank is None else self.low_rank.add_to(out, rows)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.eight_bit(input.numel() // self.in_features):
@@ -182,9 +178,7 @@ class ScaledWeightLinear(torch.nn.Module):
         if weight is None or weight.device != input.device:
             weight = self.expanded(input.device)
         out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
-        for branch in self.low_rank:
-            out = branch.add_to(out, input)
-        return out
+        return out if self.low_rank is None else self.low_rank.add_to(out, input)
 
 
 class ScaledWeightConv2d(torch.nn.Module):

@@ -5,12 +5,14 @@ ComfyUI's LoRA loaders add their patches to the ModelPatcher as usual (``add_pat
 so the int8 weights stay as they are; when a sampling run starts (``ON_PRE_RUN``) each layer with patches
 gets them as its ``weight_patch``, added to the weight the layer expands anyway — plain LoRAs with one
 multiply-add each (:class:`_Fold`), any other adapter through ``comfy.lora.calculate_weight``
-(:class:`_Patches`) — or, on a layer computing in 8 bits, beside its product; the run's end (``ON_CLEANUP``)
+(:class:`_Patches`) — or, on a layer computing in 8 bits, beside its product (one branch for all of the
+layer's LoRAs: :class:`~...core.quant.compute.Beside`); the run's end (``ON_CLEANUP``)
 takes them off (:class:`RunPatches`). Where the device has the room, a run holds the weights expanded, with
 their patches, as the pack's sampler does."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import comfy.lora
@@ -32,10 +34,11 @@ class RunPatches:
     is the MODEL's ``ON_PRE_RUN`` callback, its :meth:`end` its ``ON_CLEANUP``.
 
     Plain LoRA patches (what ComfyUI's LoRA loaders make of a LoRA file) are read once per set of patches
-    (ComfyUI's ``patches_uuid``) into factors in CPU memory, in the compute dtype, all of them in one
-    page-locked block (:class:`_Factors`); each run copies that block to the device in one asynchronous copy
-    and folds the factors into the expanded weights (:class:`_Fold`), or adds them beside an 8-bit product.
-    Any other patch goes through ComfyUI's own ``calculate_weight``."""
+    (ComfyUI's ``patches_uuid``) into factors in CPU memory, in the compute dtype (an 8-bit layer's as its
+    one branch beside the product, :class:`~...core.quant.compute.Beside`), all of them in one page-locked
+    block (:class:`_Factors`); each run copies that block to the device in one asynchronous copy and folds
+    the factors into the expanded weights (:class:`_Fold`), or adds the branch beside the 8-bit product. Any
+    other patch goes through ComfyUI's own ``calculate_weight``."""
 
     def __init__(self, transformer: TransformerSettings):
         self.scheme, self.dtype, self.native = transformer.scheme, transformer.dtype, transformer.native_size
@@ -48,14 +51,22 @@ class RunPatches:
                 yield f"{prefix}{name}.weight", layer
 
     def factors(self, patcher) -> _Factors:
-        """Each patched layer's plain LoRAs as low-rank factors in CPU memory (None: a patch that is not a
-        plain LoRA), read once for the patcher's set of patches."""
+        """Each patched layer's plain LoRAs as low-rank factors in CPU memory, an 8-bit layer's as its branch
+        (None: a patch that is not a plain LoRA), read once for the patcher's set of patches."""
         if self.read is None or self.read[0] != patcher.patches_uuid:
             read = {}
             for key, layer in self.layers(patcher):
                 patches = patcher.patches.get(key)
-                if patches:
-                    read[key] = _plain_loras(patches, layer.weight_scale.dtype)
+                if not patches:
+                    continue
+                dtype, compute = layer.weight_scale.dtype, getattr(layer, "compute", compute_paths.FP16)
+                if compute == compute_paths.FP16:
+                    read[key] = _plain_loras(patches, dtype)
+                    continue
+                branches = _plain_loras(patches, torch.float32)  # quantized from float32
+                read[key] = branches and compute_paths.Beside.of(
+                    branches, layer.weight.shape[0], compute, dtype
+                )
             self.read = (patcher.patches_uuid, _Factors(read))
         return self.read[1]
 
@@ -69,12 +80,12 @@ class RunPatches:
                     _refuse_beside_8_bit(patcher.patches[key], key, layer)
                 layer.weight_patch = _Patches(patcher.patches[key], key)
                 continue
-            branches = factors.get(key) or ()
+            branches = factors.get(key)
             if eight_bit:
-                layer.low_rank = branches
+                layer.low_rank = branches or None
             else:
                 layer.weight_patch = _Fold(branches) if branches else None
-        carrying = sum(1 for branches in factors.values() if branches is None or branches)
+        carrying = sum(1 for branches in factors.values() if branches != ())
         if carrying:
             logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", carrying)
         dense = quanto.dense_bytes(patcher.model)
@@ -128,8 +139,7 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
     each its rows from the offset ComfyUI's key map gives; the factors in ``dtype``. None when a patch is of
     another kind (LoHa, LoKr, DoRA, LoCon's mid, a model strength other than 1). A patch of strength 0
     changes nothing and is left out, as the sampler leaves out a LoRA of strength 0: the layer then runs as
-    without it (the same compiled graph, so the same bits). The scale rides in ``up``
-    (:meth:`~...core.quant.compute.LowRank.scaled`): every strength runs one compiled graph."""
+    without it (the same compiled graph, so the same bits)."""
     if not all(_plain_lora(patch) for patch in patches):
         return None
     branches = []
@@ -140,37 +150,57 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
         scale = strength * (1.0 if alpha is None else float(alpha) / down.shape[0])
         rows = None if offset is None else (int(offset[1]), int(offset[2]))
         up, down = (t.to(dtype).flatten(1) for t in (up, down))
-        branches.append(compute_paths.LowRank(up, down, scale, rows).scaled())
+        branches.append(compute_paths.LowRank(up, down, scale, rows))
     return tuple(branches)
 
 
 class _Factors(dict):
-    """A set of patches' plain LoRAs (layer key -> its branches, None for a layer with another kind of patch;
-    :func:`_plain_loras`), every factor a view of one block of CPU memory (:class:`_Block`), page-locked where
-    CUDA is. :meth:`on` puts them on a device with one copy, where a copy a factor was two a LoRA and layer
-    (560 for a LoRA on every attention and feed-forward layer of PixArt-Σ, each with its own launch)."""
+    """A set of patches' plain LoRAs (layer key -> its factors, an 8-bit layer's branch, or None for a layer
+    with another kind of patch; :func:`_plain_loras`), every tensor a view of one block of CPU memory
+    (:class:`_Block`), page-locked where CUDA is. :meth:`on` puts them on a device with one copy, where a
+    copy a factor was two a LoRA and layer (560 for a LoRA on every attention and feed-forward layer of
+    PixArt-Σ, each with its own launch)."""
 
-    def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | None]):
-        factors = [tensor for branches in read.values() for b in branches or () for tensor in (b.up, b.down)]
-        self.block = _Block(factors, pinned=torch.cuda.is_available())
-        super().__init__(_with_factors(read, self.block.views(self.block.memory)))
+    def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | compute_paths.Beside | None]):
+        tensors = [tensor for value in read.values() for tensor in _tensors(value)]
+        self.block = _Block(tensors, pinned=torch.cuda.is_available())
+        super().__init__(_with_tensors(read, self.block.views(self.block.memory)))
 
-    def on(self, device: torch.device) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
-        """The same branches with their factors on ``device`` (asynchronously from page-locked memory)."""
+    def on(
+        self, device: torch.device
+    ) -> dict[str, tuple[compute_paths.LowRank, ...] | compute_paths.Beside | None]:
+        """The same values with their tensors on ``device`` (asynchronously from page-locked memory)."""
         there = self.block.memory.to(device, non_blocking=self.block.pinned)
-        return dict(_with_factors(self, self.block.views(there)))
+        return dict(_with_tensors(self, self.block.views(there)))
 
 
-def _with_factors(read: dict, factors: list[torch.Tensor]):
-    """``read``'s keys and branches, each branch's ``up`` and ``down`` taken in turn from ``factors``."""
-    taken = iter(factors)
-    for key, branches in read.items():
-        yield (
-            key,
-            None
-            if branches is None
-            else tuple(compute_paths.LowRank(next(taken), next(taken), b.scale, b.rows) for b in branches),
-        )
+def _parts(value) -> tuple:
+    """A layer's value as its dataclasses: its LoRAs, its branch, or none."""
+    return () if value is None else value if isinstance(value, tuple) else (value,)
+
+
+def _tensor_fields(part) -> list[str]:
+    return [
+        field.name
+        for field in dataclasses.fields(part)
+        if isinstance(getattr(part, field.name), torch.Tensor)
+    ]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [getattr(part, name) for part in _parts(value) for name in _tensor_fields(part)]
+
+
+def _with_tensors(read: dict, tensors: list[torch.Tensor]):
+    """``read``'s keys and values, each value's tensors taken in turn from ``tensors``."""
+    taken = iter(tensors)
+
+    def rebuilt(part):
+        return dataclasses.replace(part, **{name: next(taken) for name in _tensor_fields(part)})
+
+    for key, value in read.items():
+        parts = tuple(rebuilt(part) for part in _parts(value))
+        yield key, value if value is None else parts if isinstance(value, tuple) else parts[0]
 
 
 class _Block:
