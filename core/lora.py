@@ -244,7 +244,7 @@ def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
         # An 8-bit layer's weight is never patched: the LoRAs run beside its product.
         device, dtype = layer.weight.device, layer.weight_scale.dtype
         branches = tuple(LowRank(f.up, f.down, f.scale).on(device, torch.float32) for f in patch.factors)
-        layer.low_rank = Beside.of(branches, layer.out_features, layer.compute, dtype)
+        layer.put_beside(Beside.of(branches, layer.out_features, layer.compute, dtype))
     elif isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
         layer.weight_patch = patch
     else:

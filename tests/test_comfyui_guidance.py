@@ -940,7 +940,7 @@ def test_a_lora_on_the_compiled_8bit_model_compiles_once_for_every_run(
             }
             there = int8_model.lora._Factors(read).on(torch.device("cpu"))
             for index, layer in enumerate(layers):
-                layer.low_rank = there[str(index)]
+                layer.put_beside(there[str(index)])
             with torch.inference_mode():
                 compiled(x, timestep, caption)
             assert len(graphs) == 1, f"run {run}: {len(graphs)} graphs"

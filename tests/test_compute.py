@@ -144,7 +144,7 @@ def test_a_layers_loras_are_one_branch_beside_its_8bit_product(path):
     beside, loras = _beside(path)
     assert beside.down.shape == (16, 128) and beside.up.shape == (96, 16)
     assert beside.down.dtype == layer.weight.dtype and not beside.down[7:].float().any()
-    layer.low_rank = beside
+    layer.put_beside(beside)
     got = layer(x)
     rows = compute.quantize_rows(x, path)
     seen = rows.values.double() * rows.scales.double()
@@ -155,9 +155,9 @@ def test_a_layers_loras_are_one_branch_beside_its_8bit_product(path):
     torch.testing.assert_close(got[:, :32], base[:, :32], rtol=0, atol=0)
     assert torch.equal(layer.product(rows, x.dtype), got)
     few = x[: compute.MIN_ROWS]
-    layer.low_rank = None
+    layer.put_beside(None)
     plain = layer(few)
-    layer.low_rank = beside
+    layer.put_beside(beside)
     assert _relative(layer(few) - plain, few.double() @ down.t() @ beside.up.double().t()) < 1e-5
 
 
@@ -171,7 +171,7 @@ def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph(g
     x = torch.randn(compute.MIN_ROWS * 2, 128)
     run = torch.compile(layer.forward, backend=graphs, dynamic=False)
     for strength in (0.5, 0.25, 1.5):
-        layer.low_rank = _beside("int8", strength)[0]
+        layer.put_beside(_beside("int8", strength)[0])
         torch.testing.assert_close(run(x), layer(x), rtol=1e-5, atol=1e-5)
     assert len(graphs) == 1
 
@@ -411,8 +411,8 @@ def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp
     stored = layer.weight.clone()
     path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=4)
     with lora.applied(model, [lora.LoraSpec(path_file, 1.0)]):
-        assert layer.weight_patch is None and isinstance(layer.low_rank, compute.Beside)
+        assert layer.weight_patch is None and layer.beside_up is not None
         assert layer.weight_dense is None
-    assert layer.low_rank is None
+    assert all(name not in vars(layer) for name in quanto.BESIDE)
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))

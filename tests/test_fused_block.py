@@ -113,7 +113,7 @@ def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
     without = block(x, **kwargs)
     fused_op_calls.clear()
     lora_ = compute.LowRank(up, down, 0.5)
-    key.low_rank = compute.Beside.of((lora_,), 64, key.compute, DTYPE)
+    key.put_beside(compute.Beside.of((lora_,), 64, key.compute, DTYPE))
     reference = unquantized.attn1.to_k
     reference.weight_patch = lora_.fold_into  # the unquantized block: the LoRA in its weight
     try:

@@ -340,17 +340,24 @@ class Beside:
         quantized = quantize_float32(down, compute, (rows,))
         return cls(quantized.values, quantized.scales, up.to(dtype), compute)
 
-    def add_to(self, out: torch.Tensor, input: Rows | torch.Tensor) -> torch.Tensor:
-        """``out`` plus the branch of ``input``: quantized (the 8-bit product's :class:`Rows`), through an
-        8-bit product by ``down``; a tensor (a call of :data:`MIN_ROWS` rows or fewer), through ``down``
-        expanded."""
-        # Made where the layer is: low-VRAM streaming computes on the GPU from CPU memory.
-        down, scale, up = (
-            t if t.device == out.device else t.to(out.device, non_blocking=True)
-            for t in (self.down, self.down_scale, self.up)
-        )
-        if isinstance(input, Rows):
-            middle = product(self.compute, input, down, scale, None, up.dtype)
-        else:
-            middle = input.to(up.dtype) @ (down.to(up.dtype) * scale.to(up.dtype)).t()
-        return out + (middle @ up.t()).to(out.dtype)
+
+def add_beside(
+    out: torch.Tensor,
+    input: Rows | torch.Tensor,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    up: torch.Tensor,
+    compute: str,
+) -> torch.Tensor:
+    """``out`` plus a :class:`Beside` branch (its ``down``, ``down_scale`` and ``up``) of ``input``: quantized
+    (the 8-bit product's :class:`Rows`), through an 8-bit product by ``down``; a tensor (a call of
+    :data:`MIN_ROWS` rows or fewer), through ``down`` expanded."""
+    # Made where the layer is: low-VRAM streaming computes on the GPU from CPU memory.
+    down, down_scale, up = (
+        t if t.device == out.device else t.to(out.device, non_blocking=True) for t in (down, down_scale, up)
+    )
+    if isinstance(input, Rows):
+        middle = product(compute, input, down, down_scale, None, up.dtype)
+    else:
+        middle = input.to(up.dtype) @ (down.to(up.dtype) * down_scale.to(up.dtype)).t()
+    return out + (middle @ up.t()).to(out.dtype)

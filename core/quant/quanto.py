@@ -24,6 +24,8 @@ WEIGHTS_FILE = "quanto.safetensors"
 # quanto's layers keep (1 without quantized activations).
 DATA, SCALE = ".weight._data", ".weight._scale"
 UNIT_SCALES = (".input_scale", ".output_scale")
+# A layer's attributes holding a run's LoRA branch beside its 8-bit product (ScaledWeightLinear.put_beside).
+BESIDE = ("beside_down", "beside_scale", "beside_up")
 # Takes a layer's expanded weight (a tensor of its own, free to change in place) and returns the one to
 # compute with.
 WeightPatch = Callable[[torch.Tensor], torch.Tensor]
@@ -113,7 +115,7 @@ def clear_run_patches(layer: torch.nn.Module) -> None:
     """A run's LoRA patch and low-rank branches taken off ``layer``: back to the class's defaults (none),
     not instance values equal to them. A compiled block guards on which attributes a layer holds, and would
     otherwise compile again for every run after one with a LoRA, into a graph that rounds differently."""
-    for name in ("weight_patch", "low_rank"):
+    for name in ("weight_patch", *BESIDE):
         vars(layer).pop(name, None)
 
 
@@ -135,10 +137,13 @@ class ScaledWeightLinear(torch.nn.Module):
     graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer."""
 
     weight_patch: WeightPatch | None = None
-    # How the layer computes (:mod:`.compute`; :func:`set_compute`), and the LoRAs an 8-bit layer adds beside
-    # its product for a run (its weight is never patched).
+    # How the layer computes (:mod:`.compute`; :func:`set_compute`).
     compute: str = compute_paths.FP16
-    low_rank: compute_paths.Beside | None = None
+    # The LoRAs an 8-bit layer adds beside its product for a run (its weight is never patched): a
+    # :class:`.compute.Beside`'s tensors (:meth:`put_beside`).
+    beside_down: torch.Tensor | None = None
+    beside_scale: torch.Tensor | None = None
+    beside_up: torch.Tensor | None = None
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -169,7 +174,7 @@ class ScaledWeightLinear(torch.nn.Module):
         device = rows.values.device
         weight, scale, bias = (_on(t, device) for t in (self.weight, self.weight_scale, self.bias))
         out = compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
-        return out if self.low_rank is None else self.low_rank.add_to(out, rows)
+        return out if self.beside_up is None else self._beside(out, rows)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.eight_bit(input.numel() // self.in_features):
@@ -178,7 +183,23 @@ class ScaledWeightLinear(torch.nn.Module):
         if weight is None or weight.device != input.device:
             weight = self.expanded(input.device)
         out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
-        return out if self.low_rank is None else self.low_rank.add_to(out, input)
+        return out if self.beside_up is None else self._beside(out, input)
+
+    def put_beside(self, beside: compute_paths.Beside | None) -> None:
+        """The layer adds ``beside``'s branch to its output until :func:`clear_run_patches` (None: no
+        branch). Its tensors become plain attributes of the layer, each in memory of its own, which a
+        compiled block takes as inputs as it takes the weights."""
+        if beside is None:
+            clear_run_patches(self)
+            return
+        self.beside_down, self.beside_scale, self.beside_up = (
+            t.clone() for t in (beside.down, beside.down_scale, beside.up)
+        )
+
+    def _beside(self, out: torch.Tensor, input: compute_paths.Rows | torch.Tensor) -> torch.Tensor:
+        return compute_paths.add_beside(
+            out, input, self.beside_down, self.beside_scale, self.beside_up, self.compute
+        )
 
 
 class ScaledWeightConv2d(torch.nn.Module):

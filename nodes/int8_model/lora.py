@@ -82,7 +82,7 @@ class RunPatches:
                 continue
             branches = factors.get(key)
             if eight_bit:
-                layer.low_rank = branches or None
+                layer.put_beside(branches or None)
             else:
                 layer.weight_patch = _Fold(branches) if branches else None
         carrying = sum(1 for branches in factors.values() if branches != ())
