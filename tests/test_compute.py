@@ -245,7 +245,7 @@ def test_a_card_without_the_tensor_cores_gets_one_line_naming_it_and_the_option(
 
 def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
     """``auto`` (the default) takes the measured faster path where its caller lets it (``eight_bit``: the
-    int8 MODEL, the sampler without low_vram): fp8 on an NVIDIA card of compute capability 9.0 with quantized weights;
+    sampler without low_vram): fp8 on an NVIDIA card of compute capability 9.0 with quantized weights;
     fp16 where it may not, on other cards, unquantized, on the CPU, on ROCm, without Triton, and wherever
     the table's compute cannot run. A value set is kept as it is."""
     cuda = torch.device("cuda")
@@ -280,8 +280,8 @@ def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
 
 def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
-    asking once: 8-bit allowed without low_vram (``fast`` plays no part); the int8 Model Loader's settings
-    allow it."""
+    asking once: 8-bit allowed without low_vram (``fast`` plays no part), not for the int8 Model Loader's
+    settings (a LoRA there costs fp8 more than it saves)."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
@@ -289,11 +289,8 @@ def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     chosen = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
-    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # allowed only when asked
-    transformer.TransformerSettings(
-        tiny, quantization="qint8", device="cpu", eight_bit_auto=True
-    )  # the loader
-    assert asked == [True, False, True, False, True]
+    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # the int8 Model Loader's
+    assert asked == [True, False, True, False]
     assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
     assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
     assert chosen.compiled is False  # fp8 on the CPU runs eager
@@ -331,7 +328,7 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             for doc in (readme, usage):
                 assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert f"auto: {name} on {cards.fastest_names} (not with the sampler's low_vram)" in text, (
+                assert f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram)" in text, (
                     name
                 )
             major, minor = cards.fastest
