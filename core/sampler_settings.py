@@ -240,7 +240,9 @@ class SamplerSettings:
             device=self.device,
             quant_cache=self.quant_cache,
             also_reads=["scheduler"],
-            eight_bit_auto=not self.low_vram,  # auto's 8-bit compute is measured without low_vram
+            # auto's 8-bit compute is measured without low_vram; with a LoRA, its branch beside the 8-bit
+            # products costs more than fp8 saves (the figures: this line's commit message).
+            eight_bit_auto=not self.low_vram and not any(spec.strength for spec in self.loras),
         )
         native = transformer.native_size
         derived = {"transformer": transformer, "device": transformer.device}

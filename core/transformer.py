@@ -71,8 +71,8 @@ class TransformerSettings:
     quant_cache: str | os.PathLike | None = None
     also_reads: InitVar[Sequence[str]] = ()
     # Whether auto may take the card's measured 8-bit path: the sampler's, without low_vram (unmeasured
-    # there); not the int8 MODEL's, where a LoRA still makes the 8-bit path slower than fp16 (front.py on an
-    # H100; the figures are in this line's commit message).
+    # there) and without LoRAs; not the int8 MODEL's, where a LoRA still makes the 8-bit path slower than
+    # fp16 (front.py on an H100; the figures are in this line's commit message).
     eight_bit_auto: InitVar[bool] = False
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)

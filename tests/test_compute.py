@@ -278,10 +278,11 @@ def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
     assert compute.resolve("auto", cuda, "qint8", eight_bit=True) == "fp16"
 
 
-def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
+def test_auto_is_decided_once_by_the_transformers_settings(tiny, tiny_folder, tmp_path, monkeypatch):
     """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
-    asking once: 8-bit allowed without low_vram (``fast`` plays no part), not for the int8 Model Loader's
-    settings (a LoRA there costs fp8 more than it saves)."""
+    asking once: 8-bit allowed without low_vram and without a LoRA (one of strength 0 is left out; ``fast``
+    plays no part), not for the int8 Model Loader's settings (a LoRA's branch costs fp8 more than it
+    saves)."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
@@ -289,8 +290,11 @@ def test_auto_is_decided_once_by_the_transformers_settings(tiny, monkeypatch):
     chosen = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, quantization="qint8")
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True, low_vram=True)
     sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors")
+    for strength in (0.8, 0.0):
+        sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, loras=(lora.LoraSpec(path, strength),))
     transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # the int8 Model Loader's
-    assert asked == [True, False, True, False]
+    assert asked == [True, False, True, False, True, False]
     assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
     assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
     assert chosen.compiled is False  # fp8 on the CPU runs eager
@@ -328,9 +332,10 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             for doc in (readme, usage):
                 assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram)" in text, (
-                    name
-                )
+                assert (
+                    f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram or a LoRA)"
+                    in text
+                ), name
             major, minor = cards.fastest
             assert f"| {cards.fastest_names} ({major}.{minor}) | `{name}`" in usage, name
     raw = (REPO / "docs/USAGE.md").read_text(encoding="utf-8")

@@ -86,8 +86,8 @@ logger = logging.getLogger(__name__)
 
 _AUTO = ", ".join(f"{name} on {cards.fastest_names}" for name, cards in TABLE.items() if cards.fastest)
 DESCRIPTIONS = {
-    AUTO: f"in the sampler {_AUTO} (not with low_vram), measured faster there than fp16; fp16 elsewhere and on "
-    "the int8 MODEL",
+    AUTO: f"in the sampler {_AUTO} (not with low_vram or a LoRA), measured faster there than fp16; fp16 "
+    "elsewhere and on the int8 MODEL",
     FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
     INT8: "int8 weights and per-token int8 activations, int8 tensor-core products "
     f"({TABLE[INT8].names}); compiles the blocks on first use",
@@ -102,7 +102,8 @@ def tooltip() -> str:
 
 
 def resolve(compute: object, device: torch.device, scheme: object, eight_bit: bool = False) -> object:
-    """The compute ``auto`` stands for: where ``eight_bit`` lets it (the sampler without low_vram), with quantized weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's
+    """The compute ``auto`` stands for: where ``eight_bit`` lets it (the sampler without low_vram or LoRAs),
+    with quantized weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's
     ``fastest`` that can run it (:func:`unable`) and with Triton to compile its blocks (:func:`compiler`),
     that row's compute; otherwise fp16. Any other value as it is. Decided here alone, once per settings
     (:class:`..transformer.TransformerSettings`)."""
