@@ -313,14 +313,13 @@ BESIDE_ROWS = 16
 class Beside:
     """A layer's LoRAs beside its 8-bit product, as one low-rank branch ``(x @ downᵀ) @ upᵀ`` added to its
     output: ``down`` ``[R, in]``, the LoRAs' ``down`` factors one under the other (zero rows up to a multiple
-    of :data:`BESIDE_ROWS`), quantized per row to the layer's ``compute`` (its values, ``down_scale``
+    of :data:`BESIDE_ROWS`), quantized per row to the layer's compute (its values, ``down_scale``
     ``[R, 1]`` float32); ``up`` ``[out, R]`` in the compute dtype, each LoRA's ``up`` (its scale in it) at
     its rows of the output and its columns, zeros elsewhere (:meth:`of`)."""
 
     down: torch.Tensor
     down_scale: torch.Tensor
     up: torch.Tensor
-    compute: str
 
     @classmethod
     def of(cls, branches: tuple[LowRank, ...], out_features: int, compute: str, dtype: torch.dtype) -> Beside:
@@ -339,7 +338,7 @@ class Beside:
             target[:, column : column + size] = branch.up.float() * branch.scale
             column += size
         quantized = quantize_float32(down, compute, (rows,))
-        return cls(quantized.values, quantized.scales, up.to(dtype), compute)
+        return cls(quantized.values, quantized.scales, up.to(dtype))
 
 
 def add_beside(
