@@ -23,7 +23,7 @@ VAEDecode, SaveImage, on single files of the same weights.
     python benchmarks/front.py --model-dir pixart-full --comfyui ComfyUI [--group NAME] [--rounds N]
 
 One call may run one group (``--group``), in the time limit of a machine lent for minutes, the calls of one
-run sharing ``--work`` (the group *started again* needs the card group's run before it); ``--logs`` keeps
+run sharing ``--work`` (the group *started again* needs the card and LoRA groups' runs before it); ``--logs`` keeps
 each server's log; ``--combine``
 joins the groups' results into one, refusing results of other trees or GPUs. ``--render`` writes
 front.md again and the generated tables in README.md and docs/BENCHMARKS.md; ``--check`` says whether
@@ -87,6 +87,15 @@ OTHERS = {
         f"{SHIPPED}, started again": {"workflow": BASIC, "again": True},
         "basic workflow, compute fp16, started again": {
             "workflow": BASIC,
+            "sets": ["2.compute=fp16"],
+            "again": True,
+        },
+        "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), as shipped, started again": {
+            "workflow": LORA,
+            "again": True,
+        },
+        "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), compute fp16, started again": {
+            "workflow": LORA,
             "sets": ["2.compute=fp16"],
             "again": True,
         },

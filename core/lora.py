@@ -4,11 +4,11 @@ A LoRA file holds, for some of the transformer's layers, two low-rank factors ``
 ``down`` ``[rank, in]`` (and optionally an ``alpha``): the layer's weight becomes
 ``W + strength × alpha / rank × up @ down``. The quantized layers keep their int8 weights as they are; the
 sum is formed from the weight each layer expands anyway (:class:`~.quant.quanto.ScaledWeightLinear`'s
-``weight_patch``), per call or once per run where the sampler holds the weights expanded — or, on a layer
-computing in 8 bits, as a low-rank branch beside its product (:class:`~.quant.compute.Beside`) — so no
-float copy of the transformer is ever made or kept, and the model a prompt leaves in the pool is the one without
-LoRAs. An unquantized layer (``proj_out``, or every layer with quantization ``none``) gets the same sum
-through torch's parametrizations, undone after the run.
+``weight_patch``), per call or once per run where the sampler holds the weights expanded; a layer computing
+in 8 bits quantizes the sum again to its 8 bits (:meth:`~.quant.quanto.ScaledWeightLinear.requantized`, held
+for the run where the sampler holds weights) — so no float copy of the transformer is ever kept, and the
+model a prompt leaves in the pool is the one without LoRAs. An unquantized layer (``proj_out``, or every
+layer with quantization ``none``) gets the same sum through torch's parametrizations, undone after the run.
 
 Keys are read as ComfyUI reads PixArt LoRAs (``comfy/lora.py``): a diffusers module name of the transformer
 behind ``transformer.``, ``base_model.model.`` or ``unet.base_model.model.``, with ``lora_A``/``lora_B``
@@ -27,7 +27,6 @@ import torch
 from torch.nn.utils import parametrize
 
 from .contract import WarningCallback, warn
-from .quant.compute import FP16, Beside, LowRank
 from .quant.quanto import ScaledWeightConv2d, ScaledWeightLinear, clear_run_patches
 
 logger = logging.getLogger(__name__)
@@ -240,12 +239,7 @@ def _patchable(layer: torch.nn.Module | None) -> bool:
 
 
 def _attach(layer: torch.nn.Module, patch: _Sum) -> None:
-    if isinstance(layer, ScaledWeightLinear) and layer.compute != FP16:
-        # An 8-bit layer's weight is never patched: the LoRAs run beside its product.
-        device, dtype = layer.weight.device, layer.weight_scale.dtype
-        branches = tuple(LowRank(f.up, f.down, f.scale).on(device, torch.float32) for f in patch.factors)
-        layer.put_beside(Beside.of(branches, layer.out_features, layer.compute, dtype))
-    elif isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
+    if isinstance(layer, (ScaledWeightLinear, ScaledWeightConv2d)):
         layer.weight_patch = patch
     else:
         parametrize.register_parametrization(layer, "weight", _Parametrization(patch), unsafe=True)

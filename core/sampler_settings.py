@@ -16,6 +16,7 @@ from .contract import MAX_SIZE, MIN_SIZE, SIZE_MULTIPLE, check_size
 from .estimates import Workload
 from .models import ModelSource
 from .quant import Scheme
+from .quant import compute as compute_paths
 from .resolutions import CUSTOM_RESOLUTION, NATIVE_RESOLUTION, preset_size, resolution_presets
 from .schedulers import DEFAULT_SCHEDULER, SCHEDULERS
 from .single_files import TransformerFile
@@ -240,9 +241,8 @@ class SamplerSettings:
             device=self.device,
             quant_cache=self.quant_cache,
             also_reads=["scheduler"],
-            # auto's 8-bit compute is measured without low_vram; with a LoRA, its branch beside the 8-bit
-            # products costs more than fp8 saves (the figures: this line's commit message).
-            eight_bit_auto=not self.low_vram and not any(spec.strength for spec in self.loras),
+            # auto's 8-bit compute is measured without low_vram.
+            eight_bit_auto=not self.low_vram,
         )
         native = transformer.native_size
         derived = {"transformer": transformer, "device": transformer.device}
@@ -287,9 +287,12 @@ class SamplerSettings:
 
     @property
     def dense(self) -> bool:
-        """Whether a run holds the quantized weights expanded (:attr:`.transformer.TransformerSettings.dense`,
-        without low_vram)."""
-        return not self.low_vram and self.transformer.dense
+        """Whether a run holds the weights its quantized layers compute with
+        (:attr:`.transformer.TransformerSettings.dense`, without low_vram): in fp16 compute, and in an 8-bit
+        one for a LoRA (its layers' patched weights; without one the 8-bit run holds nothing)."""
+        eight_bit = self.transformer.compute != compute_paths.FP16
+        loras = any(spec.strength for spec in self.loras)
+        return not self.low_vram and self.transformer.dense and (loras or not eight_bit)
 
     def streamed(self, work: Workload) -> bool:
         """Whether a run of ``work`` streams the blocks from CPU memory: with low_vram, when the whole
@@ -315,8 +318,11 @@ class SamplerSettings:
 
     def device_bytes(self, work: Workload) -> tuple[int, int]:
         """(weights, work) bytes the stage holds on its device for a run of ``work``."""
+        # The expanded copy of fp16 compute (an 8-bit layer holds a patched copy only with a LoRA, 1 byte a
+        # weight, where the device has the room at the run: transformer_run._dense).
+        expanded = self.dense and self.transformer.compute == compute_paths.FP16
         return estimates.transformer(
-            self.scheme, self.dtype, work.images, work.pixels, self.streamed(work), self.dense
+            self.scheme, self.dtype, work.images, work.pixels, self.streamed(work), expanded
         )
 
     def out_of_memory_advice(self) -> str:

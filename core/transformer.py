@@ -32,7 +32,7 @@ INPUTS = inputs.Inputs(
         inputs.CHOICE,
         compute_paths.AUTO,
         f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
-        "weights (the sampler's peak about 1 GiB lower at 1024²) and give an image close to fp16's, not equal "
+        "weights (the sampler's peak about 1 GiB lower at 1024²; a LoRA's layers hold an 8-bit copy) and give an image close to fp16's, not equal "
         "to it (which card takes which: docs/USAGE.md, 8-bit compute).",
         choices=list(compute_paths.COMPUTES),
         optional=True,
@@ -70,9 +70,8 @@ class TransformerSettings:
     device: torch.device | str | None = None
     quant_cache: str | os.PathLike | None = None
     also_reads: InitVar[Sequence[str]] = ()
-    # Whether auto may take the card's measured 8-bit path: the sampler's, without low_vram (unmeasured
-    # there) and without LoRAs; not the int8 MODEL's, where a LoRA still makes the 8-bit path slower than
-    # fp16 (front.py on an H100; the figures are in this line's commit message).
+    # Whether auto may take the card's measured 8-bit path: the int8 MODEL's, and the sampler's without
+    # low_vram (unmeasured there).
     eight_bit_auto: InitVar[bool] = False
     scheme: Scheme = field(init=False)
     dtype: torch.dtype = field(init=False)
@@ -123,9 +122,10 @@ class TransformerSettings:
 
     @property
     def dense(self) -> bool:
-        """Whether a run of the whole transformer may hold the quantized weights expanded (on a GPU, when
-        quantized and computing in fp16); the sampler's ``low_vram`` runs without."""
-        return self.device.type == "cuda" and self.scheme.quantized and self.compute == compute_paths.FP16
+        """Whether a run of the whole transformer may hold the weights its quantized layers compute with (on
+        a GPU, when quantized): expanded in fp16 compute, and an 8-bit layer's patched weight quantized again
+        (:func:`.quant.quanto.dense_weights`); the sampler's ``low_vram`` runs without."""
+        return self.device.type == "cuda" and self.scheme.quantized
 
 
 def transformer_weights(

@@ -75,15 +75,17 @@ def prepare(
 
 @contextlib.contextmanager
 def _dense(settings: SamplerSettings, transformer, work: Workload) -> Iterator[None]:
-    """The run with the quantized weights held expanded (:attr:`.sampler_settings.SamplerSettings.dense`)
-    when the device has room for them beside the run itself; otherwise each layer expands its weight as it
-    runs (the same numbers, more kernel launches)."""
-    if not settings.dense:
+    """The run with the weights the quantized layers compute with held (expanded, or an 8-bit layer's
+    patched weight quantized again: :attr:`.sampler_settings.SamplerSettings.dense`) when the device has room
+    for them beside the run itself; otherwise each layer makes its weight as it runs (the same numbers, more
+    kernel launches)."""
+    held = settings.scheme.dense_bytes(transformer) if settings.dense else 0
+    if not held:
         yield
         return
     # The run's own work: the stage's estimate (device_bytes) counts the expanded copy in already.
     _weights, run = estimates.transformer(settings.scheme, settings.dtype, work.images, work.pixels)
-    needed = settings.scheme.dense_bytes(transformer) + run
+    needed = held + run
     room = measure.device_room(settings.device)
     if needed > room:
         logger.info(

@@ -49,6 +49,7 @@ class PixArtInt8ModelLoader(io.ComfyNode):
             device=common.device(),
             transformer_file=transformer_path(transformer_file),
             quant_cache=common.quant_cache_dir(),
+            eight_bit_auto=True,
             **transformer.LOADER_INPUTS.settings_values(given),
         )
         with common.comfy_advice():

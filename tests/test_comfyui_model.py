@@ -150,9 +150,9 @@ def computing(prompt: dict, compute: str) -> dict:
     return prompt
 
 
-def test_the_loader_computes_in_8_bits_with_core_loras_beside_the_products(server):
+def test_the_loader_computes_in_8_bits_with_core_loras_in_the_weights(server):
     """The loader's ``compute`` int8 (on the CPU: eager, the same arithmetic as the GPU's compiled blocks):
-    an image close to compute fp16's, a LoRA through core's loader runs as low-rank branches (strength 1
+    an image close to compute fp16's, a LoRA through core's loader runs in the 8-bit weights (strength 1
     changes the image, strength 0 gives the image without it), the same image twice."""
     start = server.log.stat().st_size
     fp16 = image(server, without_lora(lora_prompt(1.0)))

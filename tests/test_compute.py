@@ -1,6 +1,6 @@
 """The transformer's 8-bit compute paths (core.quant.compute): their arithmetic against an fp64 reference of
 the same stored weights, within bounds worked out from the formats; the sampler's ``compute`` input, its
-choices and its errors; LoRAs as low-rank branches beside the 8-bit product; and the whole tiny model's
+choices and its errors; LoRAs in the 8-bit weights, quantized again; and the whole tiny model's
 latents against the fp16 path's.
 
 The bounds. A per-token symmetric int8 activation rounds each value to a step of absmax / 127: a uniform
@@ -106,73 +106,95 @@ def test_a_layer_computes_by_its_path_and_few_rows_take_the_fp16_one(path):
     assert quanto.dense_layers(layer) == []  # an 8-bit layer never holds its weight expanded
 
 
-def _beside(path: str, strength: float = 0.5) -> tuple[compute.Beside, list[compute.LowRank]]:
-    """Two LoRAs of a 96-row, 128-wide layer as one branch: rank 4 on rows 32:64, rank 3 on rows 64:96."""
+def _loras(strength: float = 0.5) -> list[compute.LowRank]:
+    """Two LoRAs of a 96-row, 128-wide layer: rank 4 on rows 32:64, rank 3 on rows 64:96, their change about
+    the weights' own size (:func:`_quantized_weight`)."""
     generator = torch.Generator().manual_seed(2)
-    loras = [
-        compute.LowRank(torch.randn(32, rank, generator=generator), torch.randn(rank, 128, generator=generator),
-                        strength, rows)
+    return [
+        compute.LowRank(torch.randn(32, rank, generator=generator) * 0.1,
+                        torch.randn(rank, 128, generator=generator) * 0.1, strength, rows)
         for rank, rows in ((4, (32, 32)), (3, (64, 32)))
     ]  # fmt: skip
-    return compute.Beside.of(tuple(loras), 96, path, torch.float32), loras
 
 
-def _lora_delta(loras: list[compute.LowRank], x: torch.Tensor) -> torch.Tensor:
-    """The LoRAs' change to the layer's output in float64: ``scale × x @ downᵀ @ upᵀ`` on each one's rows."""
-    delta = torch.zeros(*x.shape[:-1], 96, dtype=torch.float64)
+class _Patch:
+    """LoRAs as a layer's ``weight_patch`` (the MODEL's ``_Fold``)."""
+
+    def __init__(self, loras: list[compute.LowRank]):
+        self.loras = loras
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        for lora_ in self.loras:
+            lora_.fold_into(weight)
+        return weight
+
+
+def _patched_weight(data: torch.Tensor, scale: torch.Tensor, loras: list[compute.LowRank]) -> torch.Tensor:
+    """The stored weight plus the LoRAs, in float64."""
+    weight = data.double() * scale.double()
     for lora_ in loras:
         start, size = lora_.rows
-        delta[..., start : start + size] += (
-            lora_.scale * x.double() @ lora_.down.double().t() @ lora_.up.double().t()
-        )
-    return delta
+        weight[start : start + size] += lora_.scale * lora_.up.double() @ lora_.down.double()
+    return weight
 
 
 @pytest.mark.parametrize("path", ["int8", "fp8"])
-def test_a_layers_loras_are_one_branch_beside_its_8bit_product(path):
-    """Two LoRAs on an 8-bit layer: one branch, its stacked ``down`` quantized per row (16 rows: 7 and zeros)
-    and multiplied by the input as the 8-bit product takes it, quantized — the same whether the layer
-    quantizes its input or is handed it quantized (the fused blocks). The branch adds exactly what its 8-bit
-    factors say (float64 of the same values, within the middle's rounding to bfloat16), within the 8-bit
-    bound of the LoRAs' own change, on their rows only; a call of few rows (the fp16 path) adds the same
-    branch to its unquantized input."""
+def test_a_patched_8bit_layer_computes_with_its_patched_weight_quantized_again(path):
+    """Two LoRAs on an 8-bit layer: the layer quantizes its patched weight again per row to its 8 bits and
+    makes the same 8-bit product on it — within the 8-bit bound of the patched weight's product in float64,
+    and of the LoRAs' own change — whether it quantizes its input or is handed it quantized (the fused
+    blocks). Held for a run (hold_dense), the same bits as made at each call, in 1 byte a weight and a
+    float32 scale a row; a call of few rows (the fp16 path) computes with the held values expanded. Dropped,
+    the layer is as before."""
     data, scale = _quantized_weight(96, 128)
     layer = quanto.ScaledWeightLinear(data, scale, None)
     quanto.set_compute(layer, path)
-    x = torch.randn(compute.MIN_ROWS * 2, 128)
+    x = torch.randn(compute.MIN_ROWS * 2, 128, generator=torch.Generator().manual_seed(1))
     base = layer(x)
-    beside, loras = _beside(path)
-    assert beside.down.shape == (16, 128) and beside.up.shape == (96, 16)
-    assert beside.down.dtype == layer.weight.dtype and not beside.down[7:].float().any()
-    layer.put_beside(beside)
+    loras = _loras()
+    weight = _patched_weight(data, scale, loras)
+    layer.weight_patch = _Patch(loras)
+    assert quanto.patched_layers(layer) == [layer] and quanto.dense_layers(layer) == []
+    values, scales = layer.requantized()
+    assert values.dtype == layer.weight.dtype and scales.shape == (96, 1) and scales.dtype == torch.float32
+    assert _relative(values.double() * scales.double(), weight) < BOUND[path]
     got = layer(x)
+    assert _relative(got, x.double() @ weight.t()) < BOUND[path]
+    change = x.double() @ (weight - data.double() * scale.double()).t()
+    assert _relative(got - base, change) < 2 * BOUND[path]
     rows = compute.quantize_rows(x, path)
-    seen = rows.values.double() * rows.scales.double()
-    down = beside.down.double() * beside.down_scale.double()
-    branch = seen @ down.t() @ beside.up.double().t()
-    assert _relative(got - base, branch) < 0.01
-    assert _relative(got - base, _lora_delta(loras, x)) < BOUND[path]
-    torch.testing.assert_close(got[:, :32], base[:, :32], rtol=0, atol=0)
     assert torch.equal(layer.product(rows, x.dtype), got)
     few = x[: compute.MIN_ROWS]
-    layer.put_beside(None)
-    plain = layer(few)
-    layer.put_beside(beside)
-    assert _relative(layer(few) - plain, few.double() @ down.t() @ beside.up.double().t()) < 1e-5
+    per_call_few = layer(few)
+    assert quanto.dense_bytes(layer) == 96 * (128 + 4)
+    with quanto.dense_weights(layer) as held:
+        assert held == 1 and layer.patched_weight.dtype == layer.weight.dtype
+        torch.testing.assert_close(layer(x), got, rtol=0, atol=0)
+        expanded = layer.patched_weight.float() * layer.patched_scale
+        torch.testing.assert_close(layer(few), few @ expanded.t(), rtol=1e-5, atol=1e-6)
+        assert _relative(layer(few), few.double() @ weight.t()) < BOUND[path]
+    assert all(name not in vars(layer) for name in quanto.PATCHED)
+    torch.testing.assert_close(per_call_few, layer(few), rtol=0, atol=0)
+    quanto.clear_run_patches(layer)
+    torch.testing.assert_close(layer(x), base, rtol=0, atol=0)
+    assert quanto.dense_bytes(layer) == 0
 
 
-def test_a_branchs_scale_rides_in_up_so_every_strength_runs_one_compiled_graph(graphs):
+def test_every_strength_runs_one_compiled_graph_on_held_weights(graphs):
     """Dynamo reads a float attribute as a constant (with static shapes, the sampler's blocks compiled again
-    for each strength, and past eight ran eager). The branch carries its LoRAs' scales in ``up``: every
-    strength is one graph, and computes what the eager layer does."""
+    for each strength, and past eight ran eager). A run holds each 8-bit layer's patched weight, which a
+    compiled layer takes as an input and never reads the patch: every strength is one graph, and computes
+    what the eager layer does."""
     data, scale = _quantized_weight(96, 128)
     layer = quanto.ScaledWeightLinear(data, scale, None)
     quanto.set_compute(layer, "int8")
     x = torch.randn(compute.MIN_ROWS * 2, 128)
     run = torch.compile(layer.forward, backend=graphs, dynamic=False)
     for strength in (0.5, 0.25, 1.5):
-        layer.put_beside(_beside("int8", strength)[0])
-        torch.testing.assert_close(run(x), layer(x), rtol=1e-5, atol=1e-5)
+        layer.weight_patch = _Patch(_loras(strength))
+        with quanto.dense_weights(layer):
+            torch.testing.assert_close(run(x), layer(x), rtol=0, atol=0)
+        quanto.clear_run_patches(layer)
     assert len(graphs) == 1
 
 
@@ -280,9 +302,8 @@ def test_auto_is_fp8_on_hopper_and_fp16_elsewhere(tiny, monkeypatch, caplog):
 
 def test_auto_is_decided_once_by_the_transformers_settings(tiny, tiny_folder, tmp_path, monkeypatch):
     """The sampler's settings keep ``compute`` as given and run what its transformer's settings decided,
-    asking once: 8-bit allowed without low_vram and without a LoRA (one of strength 0 is left out; ``fast``
-    plays no part), not for the int8 Model Loader's settings (a LoRA's branch costs fp8 more than it
-    saves)."""
+    asking once: 8-bit allowed without low_vram, with or without a LoRA (``fast`` plays no part); the int8
+    Model Loader asks for it itself."""
     settings = sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, fast=True)  # the CPU: fp16
     assert (settings.compute, settings.transformer.compute) == ("auto", "fp16")
     asked = []
@@ -293,8 +314,8 @@ def test_auto_is_decided_once_by_the_transformers_settings(tiny, tiny_folder, tm
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors")
     for strength in (0.8, 0.0):
         sampler_settings.SamplerSettings(tiny, **SETTINGS, **FP32, loras=(lora.LoraSpec(path, strength),))
-    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # the int8 Model Loader's
-    assert asked == [True, False, True, False, True, False]
+    transformer.TransformerSettings(tiny, quantization="qint8", device="cpu")  # by default
+    assert asked == [True, False, True, True, True, False]
     assert chosen.compute == "auto" and chosen.transformer.compute == "fp8"
     assert "fp8" in chosen.cache_key(estimates.Workload.of(torch.zeros(1, 4, 32, 32)))
     assert chosen.compiled is False  # fp8 on the CPU runs eager
@@ -332,10 +353,9 @@ def test_readme_usage_tooltips_and_help_name_the_tables_cards():
             for doc in (readme, usage):
                 assert f"`{name}` on {cards.fastest_names}" in doc, name
             for text in said:
-                assert (
-                    f"auto: in the sampler {name} on {cards.fastest_names} (not with low_vram or a LoRA)"
-                    in text
-                ), name
+                assert f"auto: {name} on {cards.fastest_names} (in the sampler not with low_vram)" in text, (
+                    name
+                )
             major, minor = cards.fastest
             assert f"| {cards.fastest_names} ({major}.{minor}) | `{name}`" in usage, name
     raw = (REPO / "docs/USAGE.md").read_text(encoding="utf-8")
@@ -385,7 +405,7 @@ def test_the_sampler_on_an_8bit_path_is_close_to_fp16_and_repeats_its_bits(tiny,
 
 
 @pytest.mark.parametrize("path", ["int8", "fp8"])
-def test_a_lora_on_an_8bit_path_runs_beside_the_product_and_strength_0_leaves_it_out(
+def test_a_lora_on_an_8bit_path_moves_the_latents_as_on_fp16_and_strength_0_leaves_it_out(
     tiny_folder, tiny, fp16_latents, tmp_path, path
 ):
     embeds, _ = fp16_latents
@@ -413,8 +433,7 @@ def test_a_lora_on_an_8bit_layer_never_touches_its_weight(tiny_folder, tiny, tmp
     stored = layer.weight.clone()
     path_file = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", seed=4)
     with lora.applied(model, [lora.LoraSpec(path_file, 1.0)]):
-        assert layer.weight_patch is None and layer.beside_up is not None
-        assert layer.weight_dense is None
-    assert all(name not in vars(layer) for name in quanto.BESIDE)
+        assert layer.weight_patch is not None and layer.weight_dense is None
+    assert all(name not in vars(layer) for name in ("weight_patch", *quanto.PATCHED))
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))

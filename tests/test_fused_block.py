@@ -101,10 +101,10 @@ def test_the_bound_catches_a_fused_block_without_its_gate(blocks, monkeypatch):
     assert relative_error(halved, unfused) > 2 * relative_error(unfused, full)
 
 
-def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
-    """A LoRA on ``to_k``: every input stays fused, its branch taking q, k and v's quantized input as the
-    product does; the LoRA moves the output as it moves the unfused block's and the unquantized one's (its
-    LoRA folded into the weight)."""
+def test_a_lora_stays_on_the_fused_path(blocks, fused_op_calls):
+    """A LoRA on ``to_k``: every input stays fused, the layer's product taking q, k and v's quantized input
+    on its patched weight quantized again; the LoRA moves the output as it moves the unfused block's and the
+    unquantized one's (its LoRA folded into the weight)."""
     _path, block, unquantized = blocks
     x, kwargs = _inputs(tokens=64)
     generator = torch.Generator().manual_seed(3)
@@ -113,7 +113,8 @@ def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
     without = block(x, **kwargs)
     fused_op_calls.clear()
     lora_ = compute.LowRank(up, down, 0.5)
-    key.put_beside(compute.Beside.of((lora_,), 64, key.compute, DTYPE))
+    dtype = key.weight_scale.dtype  # the factors in the dtype the layer expands its weight to
+    key.weight_patch = compute.LowRank(up.to(dtype), down.to(dtype), 0.5).fold_into
     reference = unquantized.attn1.to_k
     reference.weight_patch = lora_.fold_into  # the unquantized block: the LoRA in its weight
     try:
@@ -124,7 +125,7 @@ def test_a_lora_branch_stays_on_the_fused_path(blocks, fused_op_calls):
     error = relative_error(unfused, full)
     assert relative_error(fused, unfused) <= 2 * error
     assert relative_error(fused, full) <= 1.1 * error
-    assert relative_error(fused + x, without) > error  # the branch is there
+    assert relative_error(fused + x, without) > error  # the LoRA is there
 
 
 def test_few_rows_take_diffusers_forward_bit_for_bit(blocks, fused_op_calls):

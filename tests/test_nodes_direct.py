@@ -498,9 +498,9 @@ def test_out_of_memory_in_a_node_says_how_to_free_vram_in_comfyui(comfy, chain, 
     assert len(cache) == 0
 
 
-def test_the_model_loaders_auto_stays_fp16(comfy, monkeypatch):
-    """The int8 Model Loader's ``auto`` never takes the card's 8-bit path: on an H100 a LoRA through core's
-    loaders still makes fp8 slower than fp16 (front.py's LoRA group)."""
+def test_the_model_loaders_auto_may_take_the_cards_8bit_path(comfy, monkeypatch):
+    """The int8 Model Loader's ``auto`` takes the card's measured 8-bit path as the sampler's does (a LoRA
+    runs in the 8-bit weights, quantized again once a run)."""
     from pixart_lowvram.core.quant import compute as compute_paths
 
     asked = []
@@ -514,5 +514,5 @@ def test_the_model_loaders_auto_stays_fp16(comfy, monkeypatch):
     )
     graph = {"1": {"class_type": "PixArtQ_ModelLoader", "inputs": {}}}
     model = Prompt(comfy, graph).call("1", model=MODEL, quantization="qint8").result[0]
-    assert asked == [("auto", False)]
+    assert asked == [("auto", True)]
     assert model.model.diffusion_model is not None

@@ -85,6 +85,26 @@ def test_which_runs_hold_dense_weights(tiny):
     assert sum(dense) < 2.75 * estimates.GIB  # under T5's peak: the image's peak is unchanged
 
 
+def test_an_8bit_run_holds_weights_only_for_a_lora(tiny, tiny_folder, tmp_path, monkeypatch):
+    """Where a run may hold weights (a GPU: stood in for here), an 8-bit compute holds its LoRA's patched
+    weights, and nothing without a LoRA (one of strength 0 is left out): its fp16 layers outside the blocks
+    stay expanded per call, as the measured 8-bit sampler runs; the stage's estimate adds no fp16 copy."""
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core import lora, transformer
+
+    monkeypatch.setattr(transformer.TransformerSettings, "dense", property(lambda self: True))
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors")
+    options = {"device": "cpu", "quantization": "qint8", "compute": "int8"}
+    without = sampler_settings.SamplerSettings(tiny, **options)
+    off = sampler_settings.SamplerSettings(tiny, **options, loras=(lora.LoraSpec(path, 0.0),))
+    on = sampler_settings.SamplerSettings(tiny, **options, loras=(lora.LoraSpec(path, 1.0),))
+    assert (without.dense, off.dense, on.dense) == (False, False, True)
+    assert not sampler_settings.SamplerSettings(tiny, **options, low_vram=True, loras=on.loras).dense
+    assert sampler_settings.SamplerSettings(tiny, device="cpu", compute="fp16").dense
+    work = Workload(1, MEGAPIXEL)
+    assert on.device_bytes(work) == estimates.transformer(on.scheme, on.dtype, 1, MEGAPIXEL)
+
+
 @pytest.mark.parametrize("pool", ["on", "off"])
 def test_a_stage_collects_garbage_only_when_its_model_was_let_go(tiny, reference, monkeypatch, pool, request):
     """Collecting takes a tenth of a second or more in a large process: a stage whose model waits in the

@@ -30,12 +30,11 @@ keep the fp16 path (a handful of rows a step, or the layer the recipe keeps in f
 with fewer than :data:`MIN_ROWS` rows (ComfyUI's unpadded one-token negative caption) also takes the fp16
 path: the int8 kernel refuses 16 rows or fewer, and a product that small has nothing to gain.
 
-A LoRA on an 8-bit layer is a low-rank branch beside the 8-bit product (:class:`Beside`): the 8-bit weights
-are never requantized and no fp16 copy is made. A layer's LoRAs are one branch, their ``down`` factors
-stacked and quantized per row to the layer's 8 bits, their ``up`` factors side by side (each at its rows of
-the output): one 8-bit product of the layer's quantized input by the stacked ``down`` (the input as the
-layer's product takes it, so a layer with a LoRA stays on the fused path), one product by ``up`` in the
-compute dtype, one sum. No pass dequantizes the input.
+A LoRA (any patch) on an 8-bit layer goes into the weight: the layer's weight expanded, patched, and
+quantized again per row to its 8 bits (:meth:`.quanto.ScaledWeightLinear.requantized`), once a run where the
+device has the room for the copy (:func:`.quanto.hold_dense`: 1 byte a weight), else at each call. The run
+then makes the same 8-bit products, on the same fused path, as without the LoRA; the stored weight stays
+as it was.
 """
 
 from __future__ import annotations
@@ -86,8 +85,7 @@ logger = logging.getLogger(__name__)
 
 _AUTO = ", ".join(f"{name} on {cards.fastest_names}" for name, cards in TABLE.items() if cards.fastest)
 DESCRIPTIONS = {
-    AUTO: f"in the sampler {_AUTO} (not with low_vram or a LoRA), measured faster there than fp16; fp16 "
-    "elsewhere and on the int8 MODEL",
+    AUTO: f"{_AUTO} (in the sampler not with low_vram), measured faster there than fp16; fp16 elsewhere",
     FP16: "weights expanded to fp16, fp16 matrix products (fp16 on a GPU, bf16 on the CPU)",
     INT8: "int8 weights and per-token int8 activations, int8 tensor-core products "
     f"({TABLE[INT8].names}); compiles the blocks on first use",
@@ -102,8 +100,8 @@ def tooltip() -> str:
 
 
 def resolve(compute: object, device: torch.device, scheme: object, eight_bit: bool = False) -> object:
-    """The compute ``auto`` stands for: where ``eight_bit`` lets it (the sampler without low_vram or LoRAs),
-    with quantized weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's
+    """The compute ``auto`` stands for: where ``eight_bit`` lets it (the int8 MODEL, the sampler without
+    low_vram), with quantized weights (``scheme`` not ``none``), on a card of a :data:`TABLE` row's
     ``fastest`` that can run it (:func:`unable`) and with Triton to compile its blocks (:func:`compiler`),
     that row's compute; otherwise fp16. Any other value as it is. Decided here alone, once per settings
     (:class:`..transformer.TransformerSettings`)."""
@@ -282,18 +280,12 @@ def linear(
 class LowRank:
     """One LoRA of a layer: ``scale × up @ down`` added to the weight's rows ``rows[0]:rows[0] + rows[1]``
     (all of them when None: ComfyUI's fused q, k, v layer takes the q, k and v LoRAs at their offsets),
-    folded into an expanded weight (:meth:`fold_into`) or, on an 8-bit layer, beside its product
-    (:class:`Beside`)."""
+    folded into an expanded weight (:meth:`fold_into`)."""
 
     up: torch.Tensor  # [out rows, rank]
     down: torch.Tensor  # [rank, in]
     scale: float
     rows: tuple[int, int] | None = None
-
-    def on(self, device: torch.device, dtype: torch.dtype) -> LowRank:
-        """The factors on ``device`` in ``dtype`` (copied asynchronously from page-locked memory)."""
-        up, down = (t.to(device, dtype, non_blocking=t.is_pinned()).flatten(1) for t in (self.up, self.down))
-        return LowRank(up, down, self.scale, self.rows)
 
     def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
         """Add ``scale × up @ down`` to ``weight``'s rows in place (a linear or convolution weight of its
@@ -302,62 +294,3 @@ class LowRank:
         rows = weight if self.rows is None else weight.narrow(0, *self.rows)
         rows.view(rows.shape[0], -1).addmm_(self.up, self.down, alpha=self.scale)
         return weight
-
-
-# A stacked ``down``'s rows come in multiples of this (zero rows added): the 8-bit products' kernels take
-# no other output widths (``torch._scaled_mm``: 16; ``torch._int_mm``: 8).
-BESIDE_ROWS = 16
-
-
-@dataclass(frozen=True)
-class Beside:
-    """A layer's LoRAs beside its 8-bit product, as one low-rank branch ``(x @ downᵀ) @ upᵀ`` added to its
-    output: ``down`` ``[R, in]``, the LoRAs' ``down`` factors one under the other (zero rows up to a multiple
-    of :data:`BESIDE_ROWS`), quantized per row to the layer's compute (its values, ``down_scale``
-    ``[R, 1]`` float32); ``up`` ``[out, R]`` in the compute dtype, each LoRA's ``up`` (its scale in it) at
-    its rows of the output and its columns, zeros elsewhere (:meth:`of`)."""
-
-    down: torch.Tensor
-    down_scale: torch.Tensor
-    up: torch.Tensor
-
-    @classmethod
-    def of(cls, branches: tuple[LowRank, ...], out_features: int, compute: str, dtype: torch.dtype) -> Beside:
-        """The branches as one, on their device; ``up`` in ``dtype``, each scale applied in float32 (every
-        strength runs one compiled graph: dynamo reads a float attribute as a constant)."""
-        rank = sum(branch.down.shape[0] for branch in branches)
-        rows = -(-rank // BESIDE_ROWS) * BESIDE_ROWS
-        first = branches[0].down
-        down = torch.zeros(rows, first.shape[1], dtype=torch.float32, device=first.device)
-        up = torch.zeros(out_features, rows, dtype=torch.float32, device=first.device)
-        column = 0
-        for branch in branches:
-            size = branch.down.shape[0]
-            down[column : column + size] = branch.down.float()
-            target = up if branch.rows is None else up.narrow(0, *branch.rows)
-            target[:, column : column + size] = branch.up.float() * branch.scale
-            column += size
-        quantized = quantize_float32(down, compute, (rows,))
-        return cls(quantized.values, quantized.scales, up.to(dtype))
-
-
-def add_beside(
-    out: torch.Tensor,
-    input: Rows | torch.Tensor,
-    down: torch.Tensor,
-    down_scale: torch.Tensor,
-    up: torch.Tensor,
-    compute: str,
-) -> torch.Tensor:
-    """``out`` plus a :class:`Beside` branch (its ``down``, ``down_scale`` and ``up``) of ``input``: quantized
-    (the 8-bit product's :class:`Rows`), through an 8-bit product by ``down``; a tensor (a call of
-    :data:`MIN_ROWS` rows or fewer), through ``down`` expanded."""
-    # Made where the layer is: low-VRAM streaming computes on the GPU from CPU memory.
-    down, down_scale, up = (
-        t if t.device == out.device else t.to(out.device, non_blocking=True) for t in (down, down_scale, up)
-    )
-    if isinstance(input, Rows):
-        middle = product(compute, input, down, down_scale, None, up.dtype)
-    else:
-        middle = input.to(up.dtype) @ (down.to(up.dtype) * down_scale.to(up.dtype)).t()
-    return out + (middle @ up.t()).to(out.dtype)

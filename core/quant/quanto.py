@@ -24,8 +24,8 @@ WEIGHTS_FILE = "quanto.safetensors"
 # quanto's layers keep (1 without quantized activations).
 DATA, SCALE = ".weight._data", ".weight._scale"
 UNIT_SCALES = (".input_scale", ".output_scale")
-# A layer's attributes holding a run's LoRA branch beside its 8-bit product (ScaledWeightLinear.put_beside).
-BESIDE = ("beside_down", "beside_scale", "beside_up")
+# An 8-bit layer's attributes holding its patched weight quantized again for a run (:func:`hold_dense`).
+PATCHED = ("patched_weight", "patched_scale")
 # Takes a layer's expanded weight (a tensor of its own, free to change in place) and returns the one to
 # compute with.
 WeightPatch = Callable[[torch.Tensor], torch.Tensor]
@@ -112,10 +112,11 @@ def expand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def clear_run_patches(layer: torch.nn.Module) -> None:
-    """A run's LoRA patch and low-rank branches taken off ``layer``: back to the class's defaults (none),
-    not instance values equal to them. A compiled block guards on which attributes a layer holds, and would
-    otherwise compile again for every run after one with a LoRA, into a graph that rounds differently."""
-    for name in ("weight_patch", *BESIDE):
+    """A run's LoRA patch taken off ``layer``, with the patched weight it held: back to the class's defaults
+    (none), not instance values equal to them. A compiled block guards on which attributes a layer holds,
+    and would otherwise compile again for every run after one with a LoRA, into a graph that rounds
+    differently."""
+    for name in ("weight_patch", *PATCHED):
         vars(layer).pop(name, None)
 
 
@@ -134,16 +135,20 @@ class ScaledWeightLinear(torch.nn.Module):
     apply at run time (:mod:`..lora`, and ComfyUI's patches in the pack's MODEL), while the stored weight
     stays int8. ``weight_dense``, set by :func:`dense_weights` for a run, holds the expanded (and patched)
     weight so the layer skips the expansion; None otherwise (a non-persistent buffer: never saved, and a
-    graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer."""
+    graph input when compiled). The same class is the pack's ComfyUI MODEL's linear layer.
+
+    A layer computing in 8 bits (:attr:`compute`) with a ``weight_patch`` computes with its patched weight
+    quantized again per row to its 8 bits (:meth:`requantized`): the same 8-bit product as without the
+    patch, on other values. :func:`dense_weights` holds those values for a run (``patched_weight``,
+    ``patched_scale``), made once; without them each call makes them."""
 
     weight_patch: WeightPatch | None = None
     # How the layer computes (:mod:`.compute`; :func:`set_compute`).
     compute: str = compute_paths.FP16
-    # The LoRAs an 8-bit layer adds beside its product for a run (its weight is never patched): a
-    # :class:`.compute.Beside`'s tensors (:meth:`put_beside`).
-    beside_down: torch.Tensor | None = None
-    beside_scale: torch.Tensor | None = None
-    beside_up: torch.Tensor | None = None
+    # An 8-bit layer's patched weight quantized again, held for a run (:func:`hold_dense`): its values (as
+    # :func:`.compute.weight_for` gives them) and per-row float32 scales ``[out, 1]``.
+    patched_weight: torch.Tensor | None = None
+    patched_scale: torch.Tensor | None = None
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -155,8 +160,29 @@ class ScaledWeightLinear(torch.nn.Module):
 
     def expanded(self, device: torch.device | None = None) -> torch.Tensor:
         """The weight to compute with on ``device`` (where it is, by default): expanded, then patched when a
-        patch is set."""
-        return _expanded(self, device)
+        patch is set; an 8-bit layer's the values its 8-bit products take, expanded (:meth:`eight_bit_weight`:
+        a call of few rows computes with the same weight as the others)."""
+        if self.compute == compute_paths.FP16:
+            return _expanded(self, device)
+        values, scales = self.eight_bit_weight(device)
+        return expand(values, scales.to(self.weight_scale.dtype))
+
+    def requantized(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The patched weight (:meth:`expanded`) quantized per row to the layer's 8 bits on ``device``: its
+        values and float32 scales ``[out, 1]``."""
+        rows = compute_paths.quantize_float32(
+            _expanded(self, device).float(), self.compute, (self.out_features,)
+        )
+        return rows.values, rows.scales
+
+    def eight_bit_weight(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The values and per-row scales the layer's 8-bit products take on ``device``: the stored ones, or
+        with a patch the patched weight quantized again (held for the run, or made now)."""
+        if self.patched_weight is not None:
+            return _on(self.patched_weight, device), _on(self.patched_scale, device)
+        if self.weight_patch is not None:
+            return self.requantized(device)
+        return _on(self.weight, device), _on(self.weight_scale, device)
 
     def eight_bit(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows computes an 8-bit product."""
@@ -164,17 +190,15 @@ class ScaledWeightLinear(torch.nn.Module):
 
     def takes_rows(self, rows: int) -> bool:
         """Whether a call of ``rows`` rows takes its input quantized per row (:meth:`product`), so an input
-        quantized ahead serves it: every 8-bit call, LoRAs included (their branch takes the input as the
-        product does)."""
+        quantized ahead serves it: every 8-bit call, LoRAs included (they are in the product's weight)."""
         return self.eight_bit(rows)
 
     def product(self, rows: compute_paths.Rows, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's 8-bit product of an input quantized per row, in ``dtype``, with its LoRAs' branch on
-        that input (:class:`.compute.Beside`)."""
+        """The layer's 8-bit product of an input quantized per row, in ``dtype`` (:meth:`eight_bit_weight`:
+        with its LoRAs in the weight)."""
         device = rows.values.device
-        weight, scale, bias = (_on(t, device) for t in (self.weight, self.weight_scale, self.bias))
-        out = compute_paths.product(self.compute, rows, weight, scale, bias, dtype)
-        return out if self.beside_up is None else self._beside(out, rows)
+        weight, scale = self.eight_bit_weight(device)
+        return compute_paths.product(self.compute, rows, weight, scale, _on(self.bias, device), dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.eight_bit(input.numel() // self.in_features):
@@ -182,24 +206,7 @@ class ScaledWeightLinear(torch.nn.Module):
         weight = self.weight_dense
         if weight is None or weight.device != input.device:
             weight = self.expanded(input.device)
-        out = torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
-        return out if self.beside_up is None else self._beside(out, input)
-
-    def put_beside(self, beside: compute_paths.Beside | None) -> None:
-        """The layer adds ``beside``'s branch to its output until :func:`clear_run_patches` (None: no
-        branch). Its tensors become plain attributes of the layer, each in memory of its own, which a
-        compiled block takes as inputs as it takes the weights."""
-        if beside is None:
-            clear_run_patches(self)
-            return
-        self.beside_down, self.beside_scale, self.beside_up = (
-            t.clone() for t in (beside.down, beside.down_scale, beside.up)
-        )
-
-    def _beside(self, out: torch.Tensor, input: compute_paths.Rows | torch.Tensor) -> torch.Tensor:
-        return compute_paths.add_beside(
-            out, input, self.beside_down, self.beside_scale, self.beside_up, self.compute
-        )
+        return torch.nn.functional.linear(input.to(weight.dtype), weight, _on(self.bias, input.device))
 
 
 class ScaledWeightConv2d(torch.nn.Module):
@@ -289,20 +296,33 @@ def dense_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
     return [layer for layer in linear_layers(module) if layer.compute == compute_paths.FP16]
 
 
+def patched_layers(module: torch.nn.Module) -> list[ScaledWeightLinear]:
+    """The quantized linear layers under ``module`` computing in 8 bits with a ``weight_patch``."""
+    return [
+        layer
+        for layer in linear_layers(module)
+        if layer.compute != compute_paths.FP16 and layer.weight_patch is not None
+    ]
+
+
 def dense_bytes(module: torch.nn.Module) -> int:
-    """Bytes the expanded weights of ``module``'s quantized layers take (see :func:`dense_weights`)."""
-    return sum(
+    """Bytes the weights :func:`dense_weights` holds for ``module``'s quantized layers take: the expanded
+    ones, and the 8-bit layers' patched values with their scales."""
+    expanded = sum(
         layer.out_features * layer.in_features * layer.weight_scale.element_size()
         for layer in dense_layers(module)
     )
+    return expanded + sum(layer.out_features * (layer.in_features + 4) for layer in patched_layers(module))
 
 
 @contextmanager
 def dense_weights(module: torch.nn.Module) -> Iterator[int]:
-    """For the body, every quantized layer under ``module`` holds its weight expanded to the compute dtype
-    on its device (:func:`dense_bytes` more memory), so a run costs what an unquantized model's costs; the
-    same numbers bit for bit, since each layer expands the same way per call. Afterwards the expanded
-    weights are dropped: the quantized ones stay what is kept, pooled and copied. Yields how many layers."""
+    """For the body, every quantized layer under ``module`` holds the weight it computes with on its device
+    (:func:`dense_bytes` more memory): expanded to the compute dtype, so a run costs what an unquantized
+    model's costs, or, on an 8-bit layer with a patch, patched and quantized again, made once for the run
+    instead of at every call. The same numbers bit for bit, since each is made as a call makes it.
+    Afterwards they are dropped: the quantized weights stay what is kept, pooled and copied. Yields how many
+    layers."""
     try:
         yield hold_dense(module)
     finally:
@@ -310,17 +330,23 @@ def dense_weights(module: torch.nn.Module) -> Iterator[int]:
 
 
 def hold_dense(module: torch.nn.Module, device: torch.device | None = None) -> int:
-    """Every quantized linear layer under ``module`` holds its weight expanded (and patched) on ``device``
-    (where it is, by default) until :func:`drop_dense`; returns how many."""
+    """Every quantized linear layer under ``module`` holds the weight it computes with on ``device`` (where
+    it is, by default) until :func:`drop_dense`: expanded (and patched), or an 8-bit layer's patched weight
+    quantized again (:meth:`ScaledWeightLinear.requantized`); returns how many."""
     layers = dense_layers(module)
     for layer in layers:
         layer.weight_dense = layer.expanded(device)
-    return len(layers)
+    patched = patched_layers(module)
+    for layer in patched:
+        layer.patched_weight, layer.patched_scale = layer.requantized(device)
+    return len(layers) + len(patched)
 
 
 def drop_dense(module: torch.nn.Module) -> None:
     for layer in linear_layers(module):
         layer.weight_dense = None
+        for name in PATCHED:
+            vars(layer).pop(name, None)
 
 
 def set_compute(module: torch.nn.Module, compute: str) -> int:

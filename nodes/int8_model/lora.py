@@ -5,10 +5,10 @@ ComfyUI's LoRA loaders add their patches to the ModelPatcher as usual (``add_pat
 so the int8 weights stay as they are; when a sampling run starts (``ON_PRE_RUN``) each layer with patches
 gets them as its ``weight_patch``, added to the weight the layer expands anyway — plain LoRAs with one
 multiply-add each (:class:`_Fold`), any other adapter through ``comfy.lora.calculate_weight``
-(:class:`_Patches`) — or, on a layer computing in 8 bits, beside its product (one branch for all of the
-layer's LoRAs: :class:`~...core.quant.compute.Beside`); the run's end (``ON_CLEANUP``)
-takes them off (:class:`RunPatches`). Where the device has the room, a run holds the weights expanded, with
-their patches, as the pack's sampler does."""
+(:class:`_Patches`) — which a layer computing in 8 bits quantizes again to its 8 bits
+(:meth:`~...core.quant.quanto.ScaledWeightLinear.requantized`); the run's end (``ON_CLEANUP``) takes them off
+(:class:`RunPatches`). Where the device has the room, a run holds the weights as the layers compute with
+them, with their patches (expanded, or patched and quantized again), as the pack's sampler does."""
 
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ logger = logging.getLogger(__name__)
 
 class RunPatches:
     """What a sampling run of the MODEL adds to its layers and takes off after: the ModelPatcher's patches
-    for each layer's weight, and the weights held expanded where the device has the room. Its :meth:`start`
-    is the MODEL's ``ON_PRE_RUN`` callback, its :meth:`end` its ``ON_CLEANUP``.
+    for each layer's weight, and the weights held as the layers compute with them where the device has the
+    room (:func:`~...core.quant.quanto.hold_dense`). Its :meth:`start` is the MODEL's ``ON_PRE_RUN``
+    callback, its :meth:`end` its ``ON_CLEANUP``.
 
     Plain LoRA patches (what ComfyUI's LoRA loaders make of a LoRA file) are read once per set of patches
-    (ComfyUI's ``patches_uuid``) into factors in CPU memory, in the compute dtype (an 8-bit layer's as its
-    one branch beside the product, :class:`~...core.quant.compute.Beside`), all of them in one page-locked
-    block (:class:`_Factors`); each run copies that block to the device in one asynchronous copy and folds
-    the factors into the expanded weights (:class:`_Fold`), or adds the branch beside the 8-bit product. Any
-    other patch goes through ComfyUI's own ``calculate_weight``."""
+    (ComfyUI's ``patches_uuid``) into factors in CPU memory, in the compute dtype, all of them in one
+    page-locked block (:class:`_Factors`); each run copies that block to the device in one asynchronous
+    copy and folds the factors into the expanded weights (:class:`_Fold`). Any other patch goes through
+    ComfyUI's own ``calculate_weight``."""
 
     def __init__(self, transformer: TransformerSettings):
         self.scheme, self.dtype, self.native = transformer.scheme, transformer.dtype, transformer.native_size
@@ -51,22 +51,14 @@ class RunPatches:
                 yield f"{prefix}{name}.weight", layer
 
     def factors(self, patcher) -> _Factors:
-        """Each patched layer's plain LoRAs as low-rank factors in CPU memory, an 8-bit layer's as its branch
-        (None: a patch that is not a plain LoRA), read once for the patcher's set of patches."""
+        """Each patched layer's plain LoRAs as low-rank factors in CPU memory (None: a patch that is not a
+        plain LoRA), read once for the patcher's set of patches."""
         if self.read is None or self.read[0] != patcher.patches_uuid:
             read = {}
             for key, layer in self.layers(patcher):
                 patches = patcher.patches.get(key)
-                if not patches:
-                    continue
-                dtype, compute = layer.weight_scale.dtype, getattr(layer, "compute", compute_paths.FP16)
-                if compute == compute_paths.FP16:
-                    read[key] = _plain_loras(patches, dtype)
-                    continue
-                branches = _plain_loras(patches, torch.float32)  # quantized from float32
-                read[key] = branches and compute_paths.Beside.of(
-                    branches, layer.weight.shape[0], compute, dtype
-                )
+                if patches:
+                    read[key] = _plain_loras(patches, layer.weight_scale.dtype)
             self.read = (patcher.patches_uuid, _Factors(read))
         return self.read[1]
 
@@ -74,32 +66,25 @@ class RunPatches:
         device = patcher.load_device
         factors = self.factors(patcher).on(device)
         for key, layer in self.layers(patcher):
-            eight_bit = getattr(layer, "compute", compute_paths.FP16) != compute_paths.FP16
             if key in factors and factors[key] is None:  # patches that are not plain LoRAs
-                if eight_bit:
-                    _refuse_beside_8_bit(patcher.patches[key], key, layer)
                 layer.weight_patch = _Patches(patcher.patches[key], key)
-                continue
-            branches = factors.get(key)
-            if eight_bit:
-                layer.put_beside(branches or None)
-            else:
-                layer.weight_patch = _Fold(branches) if branches else None
+            elif factors.get(key):
+                layer.weight_patch = _Fold(factors[key])
         carrying = sum(1 for branches in factors.values() if branches != ())
         if carrying:
             logger.info("PixArt-Σ MODEL: %d layers carry LoRA patches for this run", carrying)
         dense = quanto.dense_bytes(patcher.model)
         if device.type != "cuda" or not dense:
             return
-        # The run's own work for a CFG batch at the native size, beside the expanded weights.
+        # The run's own work for a CFG batch at the native size, beside the held weights.
         run = estimates.transformer(self.scheme, self.dtype, 2, self.native**2)[1]
         free = comfy.model_management.get_free_memory(device)
         if dense + run <= free:
             quanto.hold_dense(patcher.model, device)
         else:
             logger.info(
-                "PixArt-Σ MODEL: %s free on %s, under the expanded weights' %s and the run's %s: this run "
-                "expands each layer's weights at every call",
+                "PixArt-Σ MODEL: %s free on %s, under the held weights' %s and the run's %s: this run "
+                "makes each layer's weights at every call",
                 measure.format_bytes(free),
                 device,
                 measure.format_bytes(dense),
@@ -155,52 +140,33 @@ def _plain_loras(patches: list, dtype: torch.dtype) -> tuple[compute_paths.LowRa
 
 
 class _Factors(dict):
-    """A set of patches' plain LoRAs (layer key -> its factors, an 8-bit layer's branch, or None for a layer
-    with another kind of patch; :func:`_plain_loras`), every tensor a view of one block of CPU memory
-    (:class:`_Block`), page-locked where CUDA is. :meth:`on` puts them on a device with one copy, where a
-    copy a factor was two a LoRA and layer (560 for a LoRA on every attention and feed-forward layer of
-    PixArt-Σ, each with its own launch)."""
+    """A set of patches' plain LoRAs (layer key -> its factors, or None for a layer with another kind of
+    patch; :func:`_plain_loras`), every tensor a view of one block of CPU memory (:class:`_Block`),
+    page-locked where CUDA is. :meth:`on` puts them on a device with one copy, where a copy a factor was two
+    a LoRA and layer (560 for a LoRA on every attention and feed-forward layer of PixArt-Σ, each with its
+    own launch)."""
 
-    def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | compute_paths.Beside | None]):
-        tensors = [tensor for value in read.values() for tensor in _tensors(value)]
+    def __init__(self, read: dict[str, tuple[compute_paths.LowRank, ...] | None]):
+        tensors = [
+            t for branches in read.values() for branch in branches or () for t in (branch.up, branch.down)
+        ]
         self.block = _Block(tensors, pinned=torch.cuda.is_available())
         super().__init__(_with_tensors(read, self.block.views(self.block.memory)))
 
-    def on(
-        self, device: torch.device
-    ) -> dict[str, tuple[compute_paths.LowRank, ...] | compute_paths.Beside | None]:
+    def on(self, device: torch.device) -> dict[str, tuple[compute_paths.LowRank, ...] | None]:
         """The same values with their tensors on ``device`` (asynchronously from page-locked memory)."""
         there = self.block.memory.to(device, non_blocking=self.block.pinned)
         return dict(_with_tensors(self, self.block.views(there)))
 
 
-def _parts(value) -> tuple:
-    """A layer's value as its dataclasses: its LoRAs, its branch, or none."""
-    return () if value is None else value if isinstance(value, tuple) else (value,)
-
-
-def _tensor_fields(part) -> list[str]:
-    return [
-        field.name
-        for field in dataclasses.fields(part)
-        if isinstance(getattr(part, field.name), torch.Tensor)
-    ]
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [getattr(part, name) for part in _parts(value) for name in _tensor_fields(part)]
-
-
 def _with_tensors(read: dict, tensors: list[torch.Tensor]):
-    """``read``'s keys and values, each value's tensors taken in turn from ``tensors``."""
+    """``read``'s keys and values, each LoRA's ``up`` and ``down`` taken in turn from ``tensors``."""
     taken = iter(tensors)
-
-    def rebuilt(part):
-        return dataclasses.replace(part, **{name: next(taken) for name in _tensor_fields(part)})
-
-    for key, value in read.items():
-        parts = tuple(rebuilt(part) for part in _parts(value))
-        yield key, value if value is None else parts if isinstance(value, tuple) else parts[0]
+    for key, branches in read.items():
+        if branches is None:
+            yield key, None
+            continue
+        yield key, tuple(dataclasses.replace(b, up=next(taken), down=next(taken)) for b in branches)
 
 
 class _Block:
@@ -227,17 +193,6 @@ class _Block:
             memory[offset : offset + nbytes].view(dtype).view(shape)
             for offset, nbytes, dtype, shape in self.layout
         ]
-
-
-def _refuse_beside_8_bit(patches: list, key: str, layer) -> None:
-    """An 8-bit layer takes plain LoRAs only: another kind's sum needs the expanded weight, which the 8-bit
-    path never makes. The first such patch is named."""
-    adapter = next(patch[1] for patch in patches if not _plain_lora(patch))
-    kind = getattr(adapter, "name", type(adapter).__name__)
-    raise ValueError(
-        f"{key}: a {kind} patch (or a model strength other than 1) cannot run beside an 8-bit product; "
-        f"the int8 Model Loader's compute {layer.compute!r} takes plain LoRAs. Set compute to fp16."
-    )
 
 
 class _Fold:
