@@ -13,8 +13,8 @@ timestep and the block's ``scale_shift_table``), with the 8-bit inputs made by :
 
 An input goes to its layers unquantized, by their present path, when any of them does not take it
 quantized (:meth:`.quanto.ScaledWeightLinear.takes_rows`: :data:`.compute.MIN_ROWS` rows or fewer, fp16
-compute); so do the cross-attention's keys and values (the caption's rows). A LoRA's branch takes the
-quantized input as its layer's product does. The attention is
+compute); so do the cross-attention's keys and values (the caption's rows). A layer with a LoRA takes
+the quantized input as without one (the LoRA is in its 8-bit weight). The attention is
 ``AttnProcessor2_0``'s (``FusedAttnProcessor2_0``'s over fused projections). The norm and modulation run
 in float32 where diffusers' run in the activation's dtype: the same image within the 8-bit rounding.
 """

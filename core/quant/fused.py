@@ -10,8 +10,8 @@ float32 references of the pack's kernels (:mod:`.fused_kernels`), which run on a
   per-row quantization (the second feed-forward input).
 
 Each quantizes as :func:`.compute.quantize_float32` does: a row's scale is its absmax over 127 (int8,
-rounded half to even) or 448 (e4m3). Only the 8-bit values leave the pass: a layer that also needs the
-unquantized input (a LoRA's low-rank branch) takes the unfused path (:mod:`.block`).
+rounded half to even) or 448 (e4m3). Only the 8-bit values leave the pass: a layer that needs the
+unquantized input takes the unfused path (:mod:`.block`).
 """
 
 from __future__ import annotations
