@@ -32,8 +32,8 @@ INPUTS = inputs.Inputs(
         inputs.CHOICE,
         compute_paths.AUTO,
         f"How the transformer's blocks compute. {compute_paths.tooltip()} The 8-bit paths hold no expanded "
-        "weights (the sampler's peak about 1 GiB lower at 1024²; a LoRA's layers hold an 8-bit copy) and give an image close to fp16's, not equal "
-        "to it (which card takes which: docs/USAGE.md, 8-bit compute).",
+        "weights (the sampler's peak about 1 GiB lower at 1024²; a LoRA's layers hold an 8-bit copy) and give "
+        "an image close to fp16's, not equal to it (which card takes which: docs/USAGE.md, 8-bit compute).",
         choices=list(compute_paths.COMPUTES),
         optional=True,
         checked=False,  # compute_paths.require(), against the device and the quantization

@@ -168,7 +168,7 @@ class ScaledWeightLinear(torch.nn.Module):
         return expand(values, scales.to(self.weight_scale.dtype))
 
     def requantized(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The patched weight (:meth:`expanded`) quantized per row to the layer's 8 bits on ``device``: its
+        """The stored weight expanded and patched, quantized per row to the layer's 8 bits on ``device``: its
         values and float32 scales ``[out, 1]``."""
         rows = compute_paths.quantize_float32(
             _expanded(self, device).float(), self.compute, (self.out_features,)
