@@ -22,7 +22,8 @@ that a run cut short keeps what it measured. Three parts, in one process (``--pa
   fp16 model: the anchor's 20 steps), and the pack's sampler with compute fp16, fp16 + fast, int8 and fp8
   each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization kernels, the default
   on CUDA with Triton) and ``=0`` (``"fused": false``: each layer quantizes its input, inductor fusing what
-  it can). With each its GPU peak allocated during a run (the kept weights included). Then the fidelity:
+  it can); fp8 fused once more with ``PIXART_LOWVRAM_CUDA_GRAPH=0`` (``"graph": false``: every step's kernels
+  launched one by one, not replayed from the run's CUDA graph, core/step_graph.py). With each its GPU peak allocated during a run (the kept weights included). Then the fidelity:
   five prompts (the harness's, each with its seed) encoded once by the pack's T5 stage; each 8-bit path's
   latents against compute fp16's, prompt by prompt (cosine), and the decoded images' PSNR (8-bit pixels).
   Random weights are not trained weights: these say how far the 8-bit arithmetic moves this network, not
@@ -63,6 +64,7 @@ COMPUTE_ROWS = {
     "pack compute fp16 + fast": {"compute": "fp16", "fast": True},
     "pack compute int8, fused quantization": {"compute": "int8", "fused": True},
     "pack compute fp8, fused quantization": {"compute": "fp8", "fused": True},
+    "pack compute fp8, fused quantization, no CUDA graph": {"compute": "fp8", "fused": True, "graph": False},
     "pack compute int8, quantization unfused": {"compute": "int8", "fused": False},
     "pack compute fp8, quantization unfused": {"compute": "fp8", "fused": False},
 }
@@ -73,6 +75,8 @@ FUSED_SHAPES = [
     ("gelu_quantize", (8192, 4608)),
 ]
 FIDELITY_REFERENCE = "pack compute fp16"
+# Row options that are the pack's environment switches, not sampler settings (see isolated).
+SWITCHES = ("fused", "graph")
 # PixArt-Σ XL's block at 1024² with guidance: (name, in, out, rows, the op before it).
 HIDDEN, FF, TOKENS, CAPTION = 1152, 4608, 2 * 4096, 2 * 300
 SHAPES = [
@@ -244,7 +248,7 @@ def diffusers_fp16(model_dir: Path, prompts) -> dict:
 def sampler_settings(source, options: dict, seed: int, quant_cache: Path):
     from pixart_lowvram.core.sampler_settings import SamplerSettings
 
-    options = {key: value for key, value in options.items() if key != "fused"}
+    options = {key: value for key, value in options.items() if key not in SWITCHES}
     return SamplerSettings(
         source, **SETTINGS, seed=seed, device="cuda", keep_loaded=True, quant_cache=quant_cache, **options
     )
@@ -254,18 +258,22 @@ def sampler_settings(source, options: dict, seed: int, quant_cache: Path):
 def isolated(options: dict):
     """A row on its own: its blocks compiled afresh, ``PIXART_LOWVRAM_FUSED_QUANT`` 1 or 0 where its
     ``options`` say ``"fused"`` (True: the fused quantization kernels, :mod:`pixart_lowvram.core.quant.block`;
-    False: each layer quantizes its input; absent: the pack's default), and its kept transformer dropped
-    after."""
+    False: each layer quantizes its input; absent: the pack's default), ``PIXART_LOWVRAM_CUDA_GRAPH`` where
+    they say ``"graph"`` (False: the steps launched without the CUDA graph, :mod:`pixart_lowvram.core.step_graph`),
+    and its kept transformer dropped after."""
+    from pixart_lowvram.core import step_graph
     from pixart_lowvram.core.pool import cache
     from pixart_lowvram.core.quant import block
 
     torch._dynamo.reset()
-    if "fused" in options:
-        os.environ[block.VARIABLE] = "1" if options["fused"] else "0"
+    names = {"fused": block.VARIABLE, "graph": step_graph.VARIABLE}
+    variables = {names[key]: "1" if value else "0" for key, value in options.items() if key in SWITCHES}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        os.environ.pop(block.VARIABLE, None)
+        for name in variables:
+            os.environ.pop(name, None)
         cache.clear()
         torch.cuda.empty_cache()
 

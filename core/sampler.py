@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from . import lora, measure, transformer_run
+from . import lora, measure, step_graph, transformer_run
 from .contract import (
     LATENT_CHANNELS,
     PixArtEmbeds,
@@ -187,6 +187,9 @@ def _sample(
         lora.applied(transformer, settings.loras, on_warning),
         transformer_run._dense(settings, transformer, work),
         transformer_run._step_cache(transformer, settings.step_cache, total),
+        step_graph.graphed(
+            transformer, step_graph.wanted(device, settings.compiled, streamed, settings.step_cache)
+        ),
     ):
         pipe = PixArtSigmaPipeline(
             tokenizer=None, text_encoder=None, vae=None, transformer=transformer, scheduler=schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -551,5 +552,40 @@ def test_auto_compute_runs_the_cards_measured_path(tiny, reference, cuda):
     before = torch.cuda.memory_allocated(cuda)
     latents = sampler.sample(auto, reference.embeds)
     assert 0.99 < _cosine(latents, fp16) <= 1
+    free_all()
+    assert torch.cuda.memory_allocated(cuda) <= before
+
+
+@pytest.mark.parametrize("compute", ["fp8", "int8", "fp16"])
+def test_a_compiled_run_replays_one_cuda_graph_a_step_with_the_same_latents(
+    tiny, reference, cuda, monkeypatch, caplog, compute
+):
+    """A compiled run (an 8-bit compute, or fp16 with fast) captures its forward once and replays it for the
+    later steps: the same kernels on the same inputs as without the graph (PIXART_LOWVRAM_CUDA_GRAPH=0), so
+    the same latents; no capture failed; after the runs and Free VRAM's call the GPU holds what it held
+    before."""
+    from pixart_lowvram.core import step_graph
+    from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import compute as compute_paths
+
+    if compute != "fp16" and (reason := compute_paths.unable(compute, cuda)):
+        pytest.skip(reason)
+    options = {**SETTINGS, "width": 128, "height": 128, "steps": 5, "device": cuda, "quantization": "qint8"}
+    settings = sampler_settings.SamplerSettings(tiny, **options, compute=compute, fast=compute == "fp16")
+    assert settings.compiled
+    before = torch.cuda.memory_allocated(cuda)
+    monkeypatch.setenv(step_graph.VARIABLE, "0")
+    plain = sampler.sample(settings, reference.embeds)
+    monkeypatch.setenv(step_graph.VARIABLE, "1")
+    captures = []
+    real = step_graph.cuda_capture
+    monkeypatch.setattr(step_graph, "cuda_capture", lambda run: captures.append(1) or real(run))
+    with caplog.at_level(logging.WARNING, logger="pixart_lowvram.core.step_graph"):
+        graphed = sampler.sample(settings, reference.embeds)
+        again = sampler.sample(settings, reference.embeds)
+    assert not caplog.records, caplog.text
+    assert len(captures) == 2, "one capture a run: the graphs go with their run"
+    assert torch.equal(graphed, plain)
+    assert torch.equal(again, graphed)
     free_all()
     assert torch.cuda.memory_allocated(cuda) <= before
