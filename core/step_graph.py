@@ -1,18 +1,20 @@
 """The transformer's forward as one CUDA graph for a compiled sampler run.
 
-A compiled 8-bit forward at 1024² is about 900 kernels of a few µs each: the CPU launching them, one block
-graph at a time, is slower than the GPU running them, and the GPU waits. For one run, :func:`graphed`
-replaces the transformer's forward with :class:`Graphed`: the first call of a shape runs as before (it
-compiles, picks its kernels and warms their libraries up), the second is captured in a CUDA graph
-(``torch.cuda.graph``) and replayed, and every later call of that shape copies its inputs into the
-graph's and replays it: one launch a step. Each call returns its own copy of the output.
+A compiled forward launches its 28 blocks' kernels from Python, one block graph at a time; where the
+kernels are short (the fused 8-bit blocks), the CPU launching them can be slower than the GPU running them,
+and the GPU waits. For one run, :func:`graphed` replaces the transformer's forward with :class:`Graphed`:
+the first call of a shape runs as before (it compiles, picks its kernels and warms their libraries up), the
+second is captured in a CUDA graph (``torch.cuda.graph``) and replayed, and every later call of that shape
+copies its inputs into the graph's and replays it: one launch a step. Each call returns its own copy of the
+output.
 
 The graphs live for the run and go with it: the weights a run computes with (a LoRA's patched weights,
 the expanded copies it holds) are fixed within a run and may be new in the next. A capture that fails
 (an operation a graph cannot hold) is logged once, and the run goes on as before.
 
-``PIXART_LOWVRAM_CUDA_GRAPH`` (:data:`VARIABLE`) ``0`` turns it off; unset or ``1``, a compiled run on a
-CUDA device without streamed blocks or the step cache is graphed."""
+It is opt-in: ``PIXART_LOWVRAM_CUDA_GRAPH=1`` (:data:`VARIABLE`) graphs a compiled run on a CUDA device
+without streamed blocks or the step cache; unset or ``0``, no run is graphed. No GPU run has measured it
+yet (the GPU tier's test and compute.py's row with ``"graph": true`` do)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ VARIABLE = "PIXART_LOWVRAM_CUDA_GRAPH"
 def wanted(device: torch.device | str, compiled: bool, streamed: bool, step_cache: float) -> bool:
     """Whether a sampler run is graphed: compiled, on a CUDA device, its blocks resident (a streamed block
     is copied in by hooks between kernels) and every step running every block (the step cache decides on
-    the GPU's numbers which blocks run); ``PIXART_LOWVRAM_CUDA_GRAPH`` not ``0``."""
+    the GPU's numbers which blocks run); ``PIXART_LOWVRAM_CUDA_GRAPH`` ``1``."""
     value = os.environ.get(VARIABLE, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(
-            f"{VARIABLE}={value!r} is not a setting; set it to 1 (the default) or 0 (no CUDA graph)."
+            f"{VARIABLE}={value!r} is not a setting; set it to 1 (a CUDA graph a step) or 0 (none, the default)."
         )
-    if value == "0":
+    if value != "1":
         return False
     return compiled and torch.device(device).type == "cuda" and not streamed and step_cache <= 0
 

@@ -125,13 +125,13 @@ def test_the_run_restores_the_forward_and_drops_its_graphs(monkeypatch):
 @pytest.mark.parametrize(
     ("value", "device", "compiled", "streamed", "step_cache", "expected"),
     [
-        ("", "cuda", True, False, 0.0, True),
         ("1", "cuda", True, False, 0.0, True),
+        ("", "cuda", True, False, 0.0, False),
         ("0", "cuda", True, False, 0.0, False),
-        ("", "cpu", True, False, 0.0, False),
-        ("", "cuda", False, False, 0.0, False),
-        ("", "cuda", True, True, 0.0, False),
-        ("", "cuda", True, False, 0.1, False),
+        ("1", "cpu", True, False, 0.0, False),
+        ("1", "cuda", False, False, 0.0, False),
+        ("1", "cuda", True, True, 0.0, False),
+        ("1", "cuda", True, False, 0.1, False),
     ],
 )
 def test_which_runs_are_graphed(monkeypatch, value, device, compiled, streamed, step_cache, expected):
@@ -141,7 +141,10 @@ def test_which_runs_are_graphed(monkeypatch, value, device, compiled, streamed, 
 
 def test_a_bad_setting_names_the_variable_and_its_values(monkeypatch):
     monkeypatch.setenv(step_graph.VARIABLE, "yes")
-    with pytest.raises(ValueError, match=r"PIXART_LOWVRAM_CUDA_GRAPH='yes'.*1 \(the default\) or 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"PIXART_LOWVRAM_CUDA_GRAPH='yes'.*1 \(a CUDA graph a step\) or 0 \(none, the default\)",
+    ):
         step_graph.wanted("cuda", True, False, 0.0)
 
 
