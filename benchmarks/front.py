@@ -56,7 +56,9 @@ CORE = "ComfyUI core fp16, its defaults"
 SHIPPED = "basic workflow, as shipped"
 # name: how the row runs. workflow: a bundled API workflow; sets: `queue --set` assignments; drop: node
 # types taken out; core: ComfyUI core's own graph; card_gb: the card limited to this size; again: its
-# server starts after the groups before have run its workflow on this machine (--work's caches written).
+# server starts after the groups before have run its workflow on this machine (--work's caches written);
+# env: the server's environment variables.
+GRAPH_ON = {"PIXART_LOWVRAM_CUDA_GRAPH": "1"}
 ROWS: dict[str, dict] = {
     ANCHOR: {"anchor": True},
     SHIPPED: {"workflow": BASIC},
@@ -78,6 +80,19 @@ OTHERS = {
         "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), compute fp16": {
             "workflow": LORA,
             "sets": ["2.compute=fp16"],
+        },
+    },
+    # The opt-in CUDA graph (core/step_graph.py) on both doors, beside each as shipped.
+    "CUDA graph": {
+        f"{ANCHOR}, beside the CUDA graph rows": {"anchor": True},
+        f"{SHIPPED}, beside the CUDA graph rows": {"workflow": BASIC},
+        "basic workflow, one CUDA graph a step": {"workflow": BASIC, "env": GRAPH_ON},
+        "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), as shipped, beside the CUDA graph rows": {
+            "workflow": LORA
+        },
+        "LoRA + KSampler workflow (int8 MODEL, rank-16 LoRA), one CUDA graph a step": {
+            "workflow": LORA,
+            "env": GRAPH_ON,
         },
     },
     # The first prompt once the machine has run the workflow: its weights quantized, its blocks compiled.
@@ -258,12 +273,14 @@ def row_workflow(row: dict, settings: dict) -> dict:
 
 
 def server_args(row: dict, settings: dict) -> tuple[tuple[str, ...], tuple[str, ...], dict]:
-    """A server row's launcher, ComfyUI arguments and environment: for a small card, benchmarks/card_limit.py,
-    Dynamic VRAM's headroom (the real card's free memory now, less the card) and the card's size."""
+    """A server row's launcher, ComfyUI arguments and environment: the row's ``env``; for a small card,
+    benchmarks/card_limit.py, Dynamic VRAM's headroom (the real card's free memory now, less the card) and
+    the card's size."""
+    env = dict(row.get("env", {}))
     if "card_gb" not in row:
-        return (), (), {}
+        return (), (), env
     launch = (str(Path(__file__).with_name("card_limit.py")),)
-    env = {"PIXART_LOWVRAM_CARD_GIB": str(row["card_gb"])}
+    env["PIXART_LOWVRAM_CARD_GIB"] = str(row["card_gb"])
     free = None if settings["cpu"] else harness.card_free()
     args = () if free is None else ("--vram-headroom", f"{max(free / harness.GIB - row['card_gb'], 0):.2f}")
     return launch, args, env

@@ -1,4 +1,5 @@
-"""The transformer's forward as one CUDA graph for a compiled sampler run.
+"""The transformer's forward as one CUDA graph for a compiled run: the sampler's, and the int8 MODEL's under
+KSampler (``nodes/int8_model/forward.py``'s ``PackForward.begin``, at each run's start).
 
 A compiled forward launches its 28 blocks' kernels from Python, one block graph at a time; where the
 kernels are short (the fused 8-bit blocks), the CPU launching them can be slower than the GPU running them,
@@ -13,7 +14,8 @@ the expanded copies it holds) are fixed within a run and may be new in the next.
 (an operation a graph cannot hold) is logged once, and the run goes on as before.
 
 It is opt-in: ``PIXART_LOWVRAM_CUDA_GRAPH=1`` (:data:`VARIABLE`) graphs a compiled run on a CUDA device
-without streamed blocks or the step cache; unset or ``0``, no run is graphed. No GPU run has measured it
+whose weights all stay on it (no streamed blocks, no model ComfyUI loaded in part) without the step cache;
+unset or ``0``, no run is graphed. No GPU run has measured it
 yet (the GPU tier's test and compute.py's row with ``"graph": true`` do)."""
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ VARIABLE = "PIXART_LOWVRAM_CUDA_GRAPH"
 
 
 def wanted(device: torch.device | str, compiled: bool, streamed: bool, step_cache: float) -> bool:
-    """Whether a sampler run is graphed: compiled, on a CUDA device, its blocks resident (a streamed block
-    is copied in by hooks between kernels) and every step running every block (the step cache decides on
-    the GPU's numbers which blocks run); ``PIXART_LOWVRAM_CUDA_GRAPH`` ``1``."""
+    """Whether a run is graphed: compiled, on a CUDA device, its weights resident (``streamed``: blocks
+    copied in by hooks between kernels, or a MODEL ComfyUI loaded in part) and every step running every
+    block (the step cache decides on the GPU's numbers which blocks run); ``PIXART_LOWVRAM_CUDA_GRAPH`` 1."""
     value = os.environ.get(VARIABLE, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(
-            f"{VARIABLE}={value!r} is not a setting; set it to 1 (a CUDA graph a step) or 0 (none, the default)."
+            f"{VARIABLE}={value!r} is not a setting; "
+            "set it to 1 (a CUDA graph a step) or 0 (none, the default)."
         )
     if value != "1":
         return False

@@ -5,7 +5,8 @@ model — the pack loads, every bundled API workflow, keep_loaded prompts, POST 
 during sampling and a prompt after it, a core VAE after kept pack models, /free again — and the allocated
 memory after each /free is back to the level before the first prompt. And ComfyUI as a library on the GPU:
 the int8 MODEL's 8-bit computes (int8, fp8; fused quantization on and off) under KSampler's sampling,
-close to its fp16 compute, with a LoRA through ComfyUI's loading, and nothing left once unloaded.
+close to its fp16 compute, with a LoRA through ComfyUI's loading, and nothing left once unloaded; and the
+same MODEL replayed from a CUDA graph a run (PIXART_LOWVRAM_CUDA_GRAPH=1) giving the same latents.
 
 Skipped without CUDA (it is in the comfyui tier too, which runs on CPU machines).
 """
@@ -149,6 +150,56 @@ def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothi
     assert torch.nn.functional.cosine_similarity(on.flatten(), first.flatten(), dim=0).item() < 0.9999
     assert torch.equal(off, first)
     del eight
+    comfy.model_management.unload_all_models()
+    free_all()
+    comfy.model_management.soft_empty_cache()
+    assert torch.cuda.memory_allocated(cuda) <= before
+
+
+def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothing_left(
+    comfy_cuda, tiny_folder, tmp_path, monkeypatch, caplog
+):
+    """The MODEL in fp8 (int8 where the card has no fp8) under KSampler with a LoRA, its forward replayed from
+    a CUDA graph per run (PIXART_LOWVRAM_CUDA_GRAPH=1): one capture a run, no capture failed, the same
+    latents as without the graph (the same kernels on the same inputs), and nothing left once unloaded."""
+    import logging
+
+    from pixart_lowvram.cli.random_model import save_random_lora
+    from pixart_lowvram.core import step_graph
+    from pixart_lowvram.core.models import resolve_model
+    from pixart_lowvram.core.pool import free_all
+    from pixart_lowvram.core.quant import compute as compute_paths
+    from pixart_lowvram.core.transformer import TransformerSettings
+    from pixart_lowvram.nodes import int8_model
+
+    comfy = comfy_cuda
+    cuda = comfy.model_management.get_torch_device()
+    compute = "fp8" if compute_paths.unable("fp8", cuda) is None else "int8"
+    if reason := compute_paths.unable(compute, cuda):
+        pytest.skip(reason)
+    before = torch.cuda.memory_allocated(cuda)
+    settings = TransformerSettings(
+        resolve_model(str(tiny_folder)), device=cuda, compute=compute, quant_cache=tmp_path / "quantized"
+    )
+    path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
+    state = comfy.utils.load_torch_file(str(path), safe_load=True)
+    model = comfy.sd.load_lora_for_models(int8_model.load(settings, keep_loaded=False), None, state, 1.0, 0)[
+        0
+    ]
+    monkeypatch.setenv(step_graph.VARIABLE, "0")
+    plain = _ksampler(comfy, model)
+    monkeypatch.setenv(step_graph.VARIABLE, "1")
+    captures = []
+    real = step_graph.cuda_capture
+    monkeypatch.setattr(step_graph, "cuda_capture", lambda run: captures.append(1) or real(run))
+    with caplog.at_level(logging.WARNING, logger="pixart_lowvram.core.step_graph"):
+        graphed = _ksampler(comfy, model)
+        again = _ksampler(comfy, model)
+    assert not caplog.records, caplog.text
+    assert len(captures) == 2, "one capture a run"
+    assert torch.equal(graphed, plain)
+    assert torch.equal(again, graphed)
+    del model
     comfy.model_management.unload_all_models()
     free_all()
     comfy.model_management.soft_empty_cache()

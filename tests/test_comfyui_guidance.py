@@ -465,6 +465,28 @@ def test_a_run_with_the_fold_samples_what_comfyuis_sum_samples(comfy, pack_model
     assert (folded - without).abs().max() > 100 * (folded - summed).abs().max()
 
 
+def test_a_graphed_run_of_the_model_gives_its_bits_and_drops_its_graphs(comfy, lora_model, monkeypatch):
+    """A run with its forward graphed (PIXART_LOWVRAM_CUDA_GRAPH=1 on a GPU; here the stand-in capture,
+    tests/graph_stand_in.py) with a LoRA in the weights: one capture at the second step, replays after, the
+    same latents as the run without (the same computation on the same inputs); the run's end drops the
+    graphs, and the next run captures its own."""
+    from graph_stand_in import StandIn
+
+    from pixart_lowvram.core import step_graph
+    from pixart_lowvram.nodes.int8_model import forward
+
+    plain, _ = sample(comfy, lora_model)
+    capture = StandIn()
+    monkeypatch.setattr(step_graph, "cuda_capture", capture)
+    monkeypatch.setattr(step_graph, "wanted", lambda *args: True)
+    graphed, batches = sample(comfy, lora_model)
+    assert (capture.captures, capture.replays) == (1, len(batches) - 1) == (1, STEPS - 1)
+    assert torch.equal(graphed, plain)
+    assert lora_model.object_patches[forward.OBJECT].graphs is None
+    again, _ = sample(comfy, lora_model)
+    assert capture.captures == 2 and torch.equal(again, plain)
+
+
 def test_a_patch_that_is_not_a_plain_lora_goes_through_comfyuis_sum(comfy, pack_model):
     """A patch of another kind (here a weight difference) on a layer: that layer's run takes ComfyUI's own
     calculate_weight; the run's end takes every patch off."""

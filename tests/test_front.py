@@ -29,7 +29,8 @@ ROWS = json.loads(front("--rows").stdout)
 
 # What a label says, and what its configuration must then hold (and not hold where the label is silent).
 SAYS = {
-    "as shipped": lambda row: "workflow" in row and not row.get("sets") and not row.get("drop"),
+    "as shipped": lambda row: "workflow" in row and not any(row.get(k) for k in ("sets", "drop", "env")),
+    "one CUDA graph a step": lambda row: row.get("env") == {"PIXART_LOWVRAM_CUDA_GRAPH": "1"},
     "compute fp8": lambda row: "2.compute=fp8" in row.get("sets", []),
     "compute fp16": lambda row: "2.compute=fp16" in row.get("sets", []),
     "started again": lambda row: row.get("again") is True,
@@ -50,7 +51,7 @@ def test_each_label_says_what_its_row_runs(name):
         assert (words in name) == holds(row), f"{name!r}: {words!r} and {row}"
     card = re.match(r"(\d+) GB card: ", name)
     assert row.get("card_gb") == (int(card[1]) if card else None), name
-    known = {"workflow", "sets", "drop", "core", "anchor", "card_gb", "again"}
+    known = {"workflow", "sets", "drop", "core", "anchor", "card_gb", "again", "env"}
     assert set(row) <= known, f"{name}: {set(row) - known} is in no label"
 
 
@@ -66,6 +67,7 @@ def test_each_group_has_its_anchor_first_and_every_row_once():
     assert [[ROWS["rows"][n].get("card_gb") for n in names] for names in groups.values()] == [
         [None] * 5,
         [None] * 4,
+        [None] * 5,
         [None] * 5,
         [None, 8, 8],
         [None, 4, 4],

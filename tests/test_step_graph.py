@@ -1,7 +1,6 @@
 """The transformer's forward replayed from a CUDA graph per input signature for a compiled run
-(core/step_graph.py). On the CPU a stand-in capture keeps a graph's contract: the captured output's tensors
-are the ones every replay fills, computed from the captured inputs' tensors. So a call whose inputs were not
-copied in, or whose output is the graph's own buffer, gives wrong numbers here as on a GPU."""
+(core/step_graph.py), on the CPU with a stand-in capture that keeps a graph's contract
+(tests/graph_stand_in.py)."""
 
 from __future__ import annotations
 
@@ -9,33 +8,11 @@ import logging
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
+from graph_stand_in import StandIn
 
 from pixart_lowvram.core import sampler, sampler_settings, step_graph
 
 FP32 = {"quantization": "none", "device": "cpu", "precision": torch.float32}
-
-
-class StandIn:
-    """A capture on the CPU: the output of the captured call; a replay computes the call again from the
-    captured inputs into that output's tensors."""
-
-    def __init__(self, fail: BaseException | None = None):
-        self.captures = self.replays = 0
-        self.fail = fail
-
-    def __call__(self, run):
-        if self.fail is not None:
-            raise self.fail
-        self.captures += 1
-        output = run()
-
-        def replay():
-            self.replays += 1
-            for held, fresh in zip(pytree.tree_leaves(output), pytree.tree_leaves(run()), strict=True):
-                held.copy_(fresh)
-
-        return replay, output
 
 
 class Forward(torch.nn.Module):

@@ -32,7 +32,7 @@ import weakref
 import comfy.utils
 import torch
 
-from ...core import attention, transformer_run
+from ...core import attention, step_graph, transformer_run
 from ...core.quant import block as fused_block
 from ...core.quant import compute as compute_paths
 from ...core.transformer import empty
@@ -112,6 +112,7 @@ class PackForward:
         self.embed_width = patches.pos_embed.shape[-1]
         patches.interpolation_scale = pixart.pe_interpolation
         self.skeleton, self.made_for = skeleton, None
+        self.graphs: step_graph.Graphed | None = None
         self.unplace()
 
     def takes(self, pixart, mask) -> bool:
@@ -134,8 +135,17 @@ class PackForward:
                 model, self.config, self.unet_config, self.compute, self.compiled, self.fused
             )
 
+    def begin(self, graphed: bool) -> None:
+        """A sampling run starts (``ON_PRE_RUN``): with ``graphed``, its calls replay a CUDA graph per call
+        signature (:class:`~...core.step_graph.Graphed`: the first call of a signature runs as it is, the
+        second is captured), dropped at its end (:meth:`reset`)."""
+        self.graphs = step_graph.Graphed(self.skeleton, step_graph.cuda_capture) if graphed else None
+
     def reset(self) -> None:
-        """Drop the tables cast for a run and its position embedding (the run's end)."""
+        """Drop the run's graphs, the tables cast for it and its position embedding (the run's end)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         for module, leaf, _target in self.tables:
             module.__dict__.pop(leaf, None)
         self.made_for = None
@@ -200,8 +210,9 @@ class PackForward:
                 keys=y.shape[-2],
                 masked=False,
             )
+        run = self.skeleton if self.graphs is None else self.graphs
         try:
-            return self.skeleton(
+            return run(
                 hidden_states=x,
                 encoder_hidden_states=y.squeeze(1),
                 timestep=timestep,

@@ -19,7 +19,7 @@ import comfy.lora
 import comfy.model_management
 import torch
 
-from ...core import estimates, measure
+from ...core import estimates, measure, step_graph
 from ...core.quant import compute as compute_paths
 from ...core.quant import quanto
 from ...core.transformer import TransformerSettings
@@ -64,6 +64,11 @@ class RunPatches:
 
     def start(self, patcher) -> None:
         device = patcher.load_device
+        pack_forward = patcher.object_patches.get(forward.OBJECT)
+        if isinstance(pack_forward, forward.PackForward):
+            # A model ComfyUI loaded in part has layers cast in at each call: no graph over those.
+            partly = getattr(patcher.model, "model_lowvram", False)
+            pack_forward.begin(step_graph.wanted(device, pack_forward.compiled, partly, 0.0))
         factors = self.factors(patcher).on(device)
         for key, layer in self.layers(patcher):
             if key in factors and factors[key] is None:  # patches that are not plain LoRAs
@@ -92,10 +97,10 @@ class RunPatches:
             )
 
     def end(self, patcher) -> None:
-        quanto.drop_dense(patcher.model)
         pack_forward = patcher.object_patches.get(forward.OBJECT)
         if isinstance(pack_forward, forward.PackForward):
-            pack_forward.reset()
+            pack_forward.reset()  # its graphs first: they were captured over the held weights
+        quanto.drop_dense(patcher.model)
         for _key, layer in self.layers(patcher):
             quanto.clear_run_patches(layer)
 
