@@ -107,6 +107,16 @@ def _ksampler(comfy, model, size: int = 272, seed: int = 5) -> torch.Tensor:
         ).float()
 
 
+def _nothing_left(comfy, cuda, before: int) -> None:
+    """Once ComfyUI unloads its models and the pack frees its own, the GPU holds what it held ``before``."""
+    from pixart_lowvram.core.pool import free_all
+
+    comfy.model_management.unload_all_models()
+    free_all()
+    comfy.model_management.soft_empty_cache()
+    assert torch.cuda.memory_allocated(cuda) <= before
+
+
 @pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("compute", ["int8", "fp8"])
 def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothing_left(
@@ -118,7 +128,6 @@ def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothi
     once ComfyUI unloads its models and the pack frees its own the GPU holds what it held before."""
     from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core.models import resolve_model
-    from pixart_lowvram.core.pool import free_all
     from pixart_lowvram.core.quant import block as fused_block
     from pixart_lowvram.core.quant import compute as compute_paths
     from pixart_lowvram.core.transformer import TransformerSettings
@@ -150,10 +159,7 @@ def test_the_8bit_model_under_ksampler_on_cuda_close_to_fp16_with_lora_and_nothi
     assert torch.nn.functional.cosine_similarity(on.flatten(), first.flatten(), dim=0).item() < 0.9999
     assert torch.equal(off, first)
     del eight
-    comfy.model_management.unload_all_models()
-    free_all()
-    comfy.model_management.soft_empty_cache()
-    assert torch.cuda.memory_allocated(cuda) <= before
+    _nothing_left(comfy, cuda, before)
 
 
 def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothing_left(
@@ -167,7 +173,6 @@ def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothin
     from pixart_lowvram.cli.random_model import save_random_lora
     from pixart_lowvram.core import step_graph
     from pixart_lowvram.core.models import resolve_model
-    from pixart_lowvram.core.pool import free_all
     from pixart_lowvram.core.quant import compute as compute_paths
     from pixart_lowvram.core.transformer import TransformerSettings
     from pixart_lowvram.nodes import int8_model
@@ -200,7 +205,4 @@ def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothin
     assert torch.equal(graphed, plain)
     assert torch.equal(again, graphed)
     del model
-    comfy.model_management.unload_all_models()
-    free_all()
-    comfy.model_management.soft_empty_cache()
-    assert torch.cuda.memory_allocated(cuda) <= before
+    _nothing_left(comfy, cuda, before)
