@@ -15,8 +15,8 @@ the expanded copies it holds) are fixed within a run and may be new in the next.
 
 It is opt-in: ``PIXART_LOWVRAM_CUDA_GRAPH=1`` (:data:`VARIABLE`) graphs a compiled run on a CUDA device
 whose weights all stay on it (no streamed blocks, no model ComfyUI loaded in part) without the step cache;
-unset or ``0``, no run is graphed. No GPU run has measured it
-yet (the GPU tier's test and compute.py's row with ``"graph": true`` do)."""
+unset or ``0``, no run is graphed. No GPU run has measured it yet (the GPU tier's tests, compute.py's row
+with ``"graph": true`` and front.py's *CUDA graph* group do)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class Graphed:
         except Exception as exc:  # an operation a graph cannot hold: the run goes on without one
             self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             logger.warning(
-                "sampler: the CUDA graph of a step could not be captured (%s); running without", self.failed
+                "CUDA graph: a step could not be captured (%s); the run goes on without", self.failed
             )
             return None
         return replay, inputs, output
