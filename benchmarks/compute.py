@@ -23,9 +23,10 @@ that a run cut short keeps what it measured. Three parts, in one process (``--pa
   each with ``PIXART_LOWVRAM_FUSED_QUANT=1`` (``"fused": true``: the fused quantization kernels, the default
   on CUDA with Triton) and ``=0`` (``"fused": false``: each layer quantizes its input, inductor fusing what
   it can); fp8 fused once more with ``PIXART_LOWVRAM_CUDA_GRAPH=1`` (``"graph": true``: each step after the
-  first replayed from the run's CUDA graph, core/step_graph.py, not launched kernel by kernel). With each its GPU peak allocated during a run (the kept weights included). Then the fidelity:
-  five prompts (the harness's, each with its seed) encoded once by the pack's T5 stage; each 8-bit path's
-  latents against compute fp16's, prompt by prompt (cosine), and the decoded images' PSNR (8-bit pixels).
+  first replayed from the run's CUDA graph, core/step_graph.py, not launched kernel by kernel). With each
+  its GPU peak allocated during a run (the kept weights included). Then the fidelity: five prompts (the
+  harness's, each with its seed) encoded once by the pack's T5 stage; each 8-bit path's latents against
+  compute fp16's, prompt by prompt (cosine), and the decoded images' PSNR (8-bit pixels).
   Random weights are not trained weights: these say how far the 8-bit arithmetic moves this network, not
   how a trained model's pictures change.
 - ``profile``: CUDA kernel time by kind per transformer forward, and the GPU's busy time against the wall

@@ -26,8 +26,9 @@ One call may run one group (``--group``), in the time limit of a machine lent fo
 run sharing ``--work`` (the group *started again* needs the card and LoRA groups' runs before it);
 ``--logs`` keeps each server's log; ``--combine`` joins the groups' results into one, refusing results of
 other trees or GPUs. ``--render`` writes front.md again and the generated tables in README.md and
-docs/BENCHMARKS.md; ``--check`` says whether they are as front.json makes them. ``--cpu-check``: every row on CPU servers with a small model (272², 2
-steps; build it with ``build_random_pixart(DIR, "tiny-core")``): that the command runs, not its numbers.
+docs/BENCHMARKS.md; ``--check`` says whether they are as front.json makes them. ``--cpu-check``: every row
+on CPU servers with a small model (272², 2 steps; build it with ``build_random_pixart(DIR, "tiny-core")``):
+that the command runs, not its numbers.
 """
 
 from __future__ import annotations

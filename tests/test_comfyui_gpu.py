@@ -13,6 +13,8 @@ Skipped without CUDA (it is in the comfyui tier too, which runs on CPU machines)
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from comfyui_support import MODEL, SIZE, STEPS, running_server
@@ -168,10 +170,9 @@ def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothin
     """The MODEL in fp8 (int8 where the card has no fp8) under KSampler with a LoRA, its forward replayed from
     a CUDA graph per run (PIXART_LOWVRAM_CUDA_GRAPH=1): one capture a run, no capture failed, the same
     latents as without the graph (the same kernels on the same inputs), and nothing left once unloaded."""
-    import logging
+    from graph_stand_in import with_and_without_graph
 
     from pixart_lowvram.cli.random_model import save_random_lora
-    from pixart_lowvram.core import step_graph
     from pixart_lowvram.core.models import resolve_model
     from pixart_lowvram.core.quant import compute as compute_paths
     from pixart_lowvram.core.transformer import TransformerSettings
@@ -188,21 +189,12 @@ def test_the_8bit_model_graphed_under_ksampler_gives_the_same_latents_and_nothin
     )
     path = save_random_lora(tiny_folder, tmp_path / "lora.safetensors", scale=0.15)
     state = comfy.utils.load_torch_file(str(path), safe_load=True)
-    model = comfy.sd.load_lora_for_models(int8_model.load(settings, keep_loaded=False), None, state, 1.0, 0)[
-        0
-    ]
-    monkeypatch.setenv(step_graph.VARIABLE, "0")
-    plain = _ksampler(comfy, model)
-    monkeypatch.setenv(step_graph.VARIABLE, "1")
-    captures = []
-    real = step_graph.cuda_capture
-    monkeypatch.setattr(step_graph, "cuda_capture", lambda run: captures.append(1) or real(run))
-    with caplog.at_level(logging.WARNING, logger="pixart_lowvram.core.step_graph"):
-        graphed = _ksampler(comfy, model)
-        again = _ksampler(comfy, model)
-    assert not caplog.records, caplog.text
-    assert len(captures) == 2, "one capture a run"
+    loaded = int8_model.load(settings, keep_loaded=False)
+    model = comfy.sd.load_lora_for_models(loaded, None, state, 1.0, 0)[0]
+    plain, graphed, again = with_and_without_graph(
+        functools.partial(_ksampler, comfy, model), monkeypatch, caplog
+    )
     assert torch.equal(graphed, plain)
     assert torch.equal(again, graphed)
-    del model
+    del model, loaded
     _nothing_left(comfy, cuda, before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import pickle
 import subprocess
@@ -564,7 +563,8 @@ def test_a_compiled_run_replays_one_cuda_graph_a_step_with_the_same_latents(
     later steps: the same kernels on the same inputs as without the graph (PIXART_LOWVRAM_CUDA_GRAPH=0), so
     the same latents; no capture failed; after the runs and Free VRAM's call the GPU holds what it held
     before."""
-    from pixart_lowvram.core import step_graph
+    from graph_stand_in import with_and_without_graph
+
     from pixart_lowvram.core.pool import free_all
     from pixart_lowvram.core.quant import compute as compute_paths
 
@@ -574,17 +574,9 @@ def test_a_compiled_run_replays_one_cuda_graph_a_step_with_the_same_latents(
     settings = sampler_settings.SamplerSettings(tiny, **options, compute=compute, fast=compute == "fp16")
     assert settings.compiled
     before = torch.cuda.memory_allocated(cuda)
-    monkeypatch.setenv(step_graph.VARIABLE, "0")
-    plain = sampler.sample(settings, reference.embeds)
-    monkeypatch.setenv(step_graph.VARIABLE, "1")
-    captures = []
-    real = step_graph.cuda_capture
-    monkeypatch.setattr(step_graph, "cuda_capture", lambda run: captures.append(1) or real(run))
-    with caplog.at_level(logging.WARNING, logger="pixart_lowvram.core.step_graph"):
-        graphed = sampler.sample(settings, reference.embeds)
-        again = sampler.sample(settings, reference.embeds)
-    assert not caplog.records, caplog.text
-    assert len(captures) == 2, "one capture a run: the graphs go with their run"
+    plain, graphed, again = with_and_without_graph(
+        lambda: sampler.sample(settings, reference.embeds), monkeypatch, caplog
+    )
     assert torch.equal(graphed, plain)
     assert torch.equal(again, graphed)
     free_all()
